@@ -1,0 +1,244 @@
+"""Blocking SSH/SFTP transport to a Slurm login node, for the worker side.
+
+Built on the Airflow SSH provider's ``SSHHook`` (paramiko), so the connection's
+host, user, key and pinned ``host_key`` mean what they mean everywhere else in
+Airflow. Host-key checking stays on: an unknown or changed key is refused.
+
+One SSH connection per cluster per process is kept and reused; transport
+errors reconnect within a bounded budget with jittered back-off. ``sbatch``
+itself is never retried here: whether a lost ``sbatch`` reached Slurm is
+something only a key lookup can tell, and that is the operator's decision.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import paramiko
+
+from operators.slurm import commands
+from operators.slurm.backoff import backoff_delays
+from operators.slurm.errors import (
+    ClusterAuthError,
+    ClusterUnreachable,
+    SlurmCommandError,
+)
+from operators.slurm.parse import JobRecord, job_view, parse_sacct, parse_sbatch, parse_squeue
+from operators.slurm.render import render_script
+from operators.slurm.spec import JobSpec
+
+SCRIPT_NAME = "job.sbatch"
+DEFAULT_WORK_DIR = "pp-runs"
+_TRANSPORT_ERRORS = (paramiko.SSHException, OSError, EOFError, socket.timeout)
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """The connection extras this project reads, besides the SSH provider's own."""
+
+    conn_id: str
+    host: str
+    user: str
+    key_file: str | None
+    remote_work_dir: str  # per-job run directories are created under it
+    remote_python: str  # the Python that runs ``python -m jobscripts.*`` on the cluster
+    log_url_template: str | None  # e.g. an Open OnDemand file URL with {path}
+
+    @classmethod
+    def from_connection(cls, conn: Any) -> ClusterSettings:
+        extra = conn.extra_dejson or {}
+        return cls(
+            conn_id=conn.conn_id, host=conn.host or "", user=conn.login or "",
+            key_file=extra.get("key_file"),
+            remote_work_dir=extra.get("remote_work_dir") or DEFAULT_WORK_DIR,
+            remote_python=extra.get("remote_python") or "python3",
+            log_url_template=extra.get("log_url_template"),
+        )
+
+
+class SlurmHook:
+    """Slurm commands over one reused SSH connection."""
+
+    _clients: dict[str, paramiko.SSHClient] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, ssh_conn_id: str, command_timeout: float = 60.0,
+                 max_attempts: int = 5) -> None:
+        from airflow.providers.ssh.hooks.ssh import SSHHook
+
+        self.ssh_conn_id = ssh_conn_id
+        self.command_timeout = command_timeout
+        self.max_attempts = max_attempts
+        # Our own retry loop below handles transport errors; let the provider try once.
+        self._ssh = SSHHook(ssh_conn_id=ssh_conn_id, conn_retry_attempts=1,
+                            keepalive_interval=15, conn_timeout=15)
+        self.settings = ClusterSettings.from_connection(self._ssh.get_connection(ssh_conn_id))
+
+    # -- transport -------------------------------------------------------------
+    def _connect(self) -> paramiko.SSHClient:
+        with self._lock:
+            client = self._clients.get(self.ssh_conn_id)
+            transport = client.get_transport() if client else None
+            if client and transport and transport.is_active():
+                return client
+            try:
+                client = self._ssh.get_conn()
+            except paramiko.AuthenticationException as exc:
+                raise ClusterAuthError(
+                    f"SSH authentication failed for {self._who()}: {exc}") from exc
+            except paramiko.BadHostKeyException as exc:
+                raise ClusterAuthError(
+                    f"SSH host key of {self.settings.host} changed; refusing ({self._who()})"
+                ) from exc
+            except paramiko.SSHException as exc:
+                if "known_hosts" in str(exc) or "host key" in str(exc).lower():
+                    raise ClusterAuthError(
+                        f"SSH host key of {self.settings.host} is unknown; pin it in the "
+                        f"connection's host_key extra ({self._who()}): {exc}") from exc
+                raise
+            self._clients[self.ssh_conn_id] = client
+            return client
+
+    def _who(self) -> str:
+        s = self.settings
+        return (f"connection {s.conn_id!r} (host {s.host}:{self._ssh.port}, user {s.user}, "
+                f"key {s.key_file or '<none>'})")
+
+    def _drop(self) -> None:
+        with self._lock:
+            client = self._clients.pop(self.ssh_conn_id, None)
+        self._ssh.client = None
+        if client is not None:
+            client.close()
+
+    def _with_retries(self, what: str, fn):
+        last: Exception | None = None
+        for delay in backoff_delays(self.max_attempts):
+            try:
+                return fn(self._connect())
+            except ClusterAuthError:
+                raise
+            except _TRANSPORT_ERRORS as exc:
+                last = exc
+                self._drop()
+                time.sleep(delay)
+        raise ClusterUnreachable(
+            f"{what}: cluster unreachable after {self.max_attempts} attempts via "
+            f"{self._who()}: {last}") from last
+
+    def _exec(self, client: paramiko.SSHClient, command: str) -> tuple[int, str, str]:
+        _, stdout, stderr = client.exec_command(command, timeout=self.command_timeout)
+        out = stdout.read().decode("utf-8", "replace")
+        err = stderr.read().decode("utf-8", "replace")
+        return stdout.channel.recv_exit_status(), out, err
+
+    def run(self, command: str, *, retry: bool = True) -> tuple[int, str, str]:
+        """Run one command line; transport errors are retried only when ``retry``."""
+        if retry:
+            return self._with_retries(command.split()[0], lambda c: self._exec(c, command))
+        try:
+            return self._exec(self._connect(), command)
+        except _TRANSPORT_ERRORS as exc:
+            self._drop()
+            raise ClusterUnreachable(f"{command.split()[0]} via {self._who()}: {exc}") from exc
+
+    def check(self, command: str) -> str:
+        rc, out, err = self.run(command)
+        if rc != 0:
+            raise SlurmCommandError(command, rc, err)
+        return out
+
+    # -- files -----------------------------------------------------------------
+    def run_dir(self, key: str) -> str:
+        return posixpath.join(self.settings.remote_work_dir, key)
+
+    def upload(self, run_dir: str, files: Mapping[str, str | bytes]) -> None:
+        """Write ``files`` (name -> content) into ``run_dir``, each atomically."""
+        self.check(commands.mkdir_p(run_dir))
+
+        def put(client: paramiko.SSHClient) -> None:
+            with client.open_sftp() as sftp:
+                for name, content in files.items():
+                    if "/" in name or name.startswith("."):
+                        raise ValueError(f"upload file name {name!r} must be a plain file name")
+                    data = content.encode() if isinstance(content, str) else content
+                    target = posixpath.join(run_dir, name)
+                    tmp = posixpath.join(run_dir, f".{name}.part")
+                    with sftp.open(tmp, "wb") as handle:
+                        handle.write(data)
+                    sftp.posix_rename(tmp, target)
+
+        self._with_retries("upload", put)
+
+    def read_bytes(self, path: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        """Up to ``limit`` bytes of ``path`` from ``offset``; b"" when it does not exist."""
+        def get(client: paramiko.SSHClient) -> bytes:
+            with client.open_sftp() as sftp:
+                try:
+                    with sftp.open(path, "rb") as handle:
+                        handle.seek(offset)
+                        return handle.read(limit)
+                except FileNotFoundError:
+                    return b""
+        return self._with_retries("read", get)
+
+    def read_json(self, path: str) -> Any | None:
+        data = self.read_bytes(path, 0, 16 << 20)
+        return json.loads(data) if data else None
+
+    def log_tail(self, path: str, max_bytes: int = 4000) -> str:
+        def size(client: paramiko.SSHClient) -> int:
+            with client.open_sftp() as sftp:
+                try:
+                    return sftp.stat(path).st_size or 0
+                except FileNotFoundError:
+                    return 0
+        total = self._with_retries("stat", size)
+        data = self.read_bytes(path, max(0, total - max_bytes), max_bytes)
+        return data.decode("utf-8", "replace")
+
+    # -- Slurm -----------------------------------------------------------------
+    def submit(self, spec: JobSpec, run_dir: str,
+               files: Mapping[str, str | bytes] | None = None) -> str:
+        """Upload the rendered script and ``files`` into ``run_dir``; ``sbatch`` once."""
+        script = render_script(spec)
+        self.upload(run_dir, {**(files or {}), SCRIPT_NAME: script})
+        rc, out, err = self.run(commands.sbatch(run_dir, SCRIPT_NAME), retry=False)
+        if rc != 0:
+            raise SlurmCommandError("sbatch", rc, err)
+        return parse_sbatch(out)
+
+    def find_by_key(self, key: str) -> JobRecord | None:
+        """The newest job named ``key``: ``squeue`` first (fresh), then ``sacct``."""
+        live = parse_squeue(self.check(commands.squeue_name(key)))
+        if live:
+            return live[max(live, key=_id_order)]
+        done = {k: v for k, v in parse_sacct(self.check(commands.sacct_name(key))).items()
+                if v.name == key}
+        return done[max(done, key=_id_order)] if done else None
+
+    def describe(self, job_id: str) -> JobRecord | None:
+        """``sacct`` first; ``squeue`` covers the seconds before sacct knows the job."""
+        record = job_view(parse_sacct(self.check(commands.sacct_jobs([job_id]))), job_id)
+        if record is not None:
+            return record
+        rc, out, _ = self.run(commands.squeue_jobs([job_id]))
+        return job_view(parse_squeue(out), job_id) if rc == 0 else None
+
+    def cancel(self, job_id: str) -> None:
+        """Cancel ``job_id``; a job that already ended is not an error."""
+        rc, _, err = self.run(commands.scancel(job_id))
+        if rc != 0 and not any(s in err for s in commands.CANCEL_ALREADY_DONE):
+            raise SlurmCommandError("scancel", rc, err)
+
+
+def _id_order(job_id: str) -> tuple[int, int]:
+    head, _, task = job_id.partition("_")
+    return int(head), int(task) if task.isdigit() else -1

@@ -1,0 +1,242 @@
+"""``SlurmJobOperator``: submit (or re-attach to) one Slurm job and wait for it.
+
+Idempotent by construction (DESIGN.md §3): the job carries a key built from
+the task instance but not the try number. Before ``sbatch``, and again after
+any ``sbatch`` error, the operator looks the key up; a live or completed job
+is re-attached, so no unit of work is submitted twice. A job that ended badly
+is not re-attached by a *new* try: that try is the retry.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import replace
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators.slurm.errors import ClusterUnreachable, SlurmCommandError, SlurmJobFailed
+from operators.slurm.jobkey import job_key
+from operators.slurm.links import SlurmJobLink, SlurmLogLink, job_url, log_url
+from operators.slurm.parse import JobRecord
+from operators.slurm.spec import ContainerSpec, JobSpec
+from operators.slurm.states import Outcome, classify
+from operators.slurm.trigger import SlurmJobTrigger, record_payload
+
+LOG_NAME = "slurm-%j.out"
+ARRAY_LOG_NAME = "slurm-%A_%a.out"  # one log per array task
+XCOM_JOB = "slurm_job"
+
+
+def build_spec(key: str, run_dir: str, command: str, job: Mapping[str, Any],
+               environment: Mapping[str, str] | None = None) -> JobSpec:
+    """The validated spec for one job. Raises ``JobSpecError`` naming the field."""
+    job = dict(job)
+    container = job.pop("container", None)
+    if isinstance(container, Mapping):
+        container = ContainerSpec(image=container["image"],
+                                  binds=tuple(container.get("binds", ())),
+                                  nv=container.get("nv", True))
+    unknown = set(job) - set(JobSpec.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown job option(s): {sorted(unknown)}")
+    return JobSpec(
+        name=key, comment=key, command=command, workdir=run_dir,
+        output=posixpath.join(run_dir, ARRAY_LOG_NAME if job.get("array") else LOG_NAME),
+        environment=dict(environment or {}),
+        container=container, **job,
+    ).validate()
+
+
+def log_path_for(spec: JobSpec, job_id: str) -> str:
+    """The log to stream; for an array job, that of its first task."""
+    master = job_id.partition("_")[0]
+    first_task = re.match(r"[0-9]+", spec.array or "0").group(0)
+    return spec.output.replace("%j", master).replace("%A", master).replace("%a", first_task)
+
+
+class SlurmJobOperator(BaseOperator):
+    """Run ``command`` as a Slurm batch job on the cluster behind ``ssh_conn_id``.
+
+    :param command: the job's shell command (templated).
+    :param job: sbatch options: partition, account, nodes, time, gpus_per_node, ...
+    :param environment: variables exported in the script (not for secrets).
+    :param files: name -> content, uploaded into the job's run directory.
+    :param result_file: a JSON file the job writes in its run directory; returned.
+    :param success_outcomes: outcomes that count as success (a training segment
+        adds ``time_limit``).
+    """
+
+    template_fields = ("command", "job", "environment", "files", "result_file")
+    template_fields_renderers = {"command": "bash", "job": "json", "environment": "json"}
+    operator_extra_links = (SlurmJobLink(), SlurmLogLink())
+    ui_color = "#dfe8f5"
+
+    def __init__(self, *, ssh_conn_id: str, command: str, job: Mapping[str, Any] | None = None,
+                 environment: Mapping[str, str] | None = None,
+                 files: Mapping[str, str] | None = None, result_file: str | None = None,
+                 segment: int | None = None, deferrable: bool = True,
+                 poll_interval: float = 5.0, unknown_budget_s: float = 600.0,
+                 success_outcomes: Collection[str] = (Outcome.SUCCESS.value,),
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ssh_conn_id = ssh_conn_id
+        self.command = command
+        self.job = dict(job or {})
+        self.environment = dict(environment or {})
+        self.files = dict(files or {})
+        self.result_file = result_file
+        self.segment = segment
+        self.deferrable = deferrable
+        self.poll_interval = poll_interval
+        self.unknown_budget_s = unknown_budget_s
+        self.success_outcomes = frozenset(success_outcomes)
+        self._job_id: str | None = None
+        self._hook = None  # a SlurmHook, made on first use
+        if not _templated(self.job, self.environment, self.command):
+            # Fail at DAG parse, not on the cluster: validate with a stand-in key.
+            build_spec("pp-parse-check", "/parse-check", self.command, self.job, self.environment)
+
+    @property
+    def hook(self):
+        if self._hook is None:
+            from operators.slurm.hook import SlurmHook  # paramiko: keep DAG parsing light
+
+            self._hook = SlurmHook(self.ssh_conn_id)
+        return self._hook
+
+    # -- submission ------------------------------------------------------------
+    def job_key(self, context) -> str:
+        ti = context["ti"]
+        return job_key(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, self.segment)
+
+    def execute(self, context) -> Any:
+        key = self.job_key(context)
+        # Validate before any SSH: a bad spec fails here, naming its field.
+        spec = build_spec(key, "/pending", self.command, self.job, self.environment)
+        run_dir = self.hook.run_dir(key)
+        spec = replace(spec, workdir=run_dir, output=posixpath.join(
+            run_dir, posixpath.basename(spec.output))).validate()
+        record = self._attach_or_submit(spec, run_dir, key)
+        self._job_id = record.job_id
+        log_path = log_path_for(spec, record.job_id)
+        self._persist(context, record.job_id, log_path, run_dir)
+        try:
+            outcome = classify(record.state)
+        except ValueError:
+            outcome = Outcome.ACTIVE
+        if outcome.terminal:  # finished before we could defer (or re-attached to a done job)
+            return self._complete(context, {"status": "terminal", "job_id": record.job_id,
+                                            "outcome": outcome.value,
+                                            "record": record_payload(record)})
+        if self.deferrable:
+            self.defer(trigger=SlurmJobTrigger(
+                ssh_conn_id=self.ssh_conn_id, job_id=record.job_id, log_path=log_path,
+                poll_interval=self.poll_interval, unknown_budget_s=self.unknown_budget_s),
+                method_name="execute_complete")
+        return self._complete(context, self._wait_in_worker(record.job_id, log_path))
+
+    def _attach_or_submit(self, spec: JobSpec, run_dir: str, key: str) -> JobRecord:
+        found = self.hook.find_by_key(key)
+        if found is not None:
+            outcome = classify(found.state)
+            if outcome in (Outcome.ACTIVE, Outcome.SUCCESS):
+                self.log.info("re-attaching to Slurm job %s (%s) for key %s",
+                              found.job_id, found.state, key)
+                return found
+            self.log.info("earlier job %s for key %s ended %s; submitting this try's job",
+                          found.job_id, key, found.state)
+        try:
+            job_id = self.hook.submit(spec, run_dir, self.files)
+        except (ClusterUnreachable, SlurmCommandError) as exc:
+            # The sbatch may have reached Slurm before the error: look before retrying.
+            again = self._lookup_quietly(key)
+            if again is not None and again.job_id != (found.job_id if found else None):
+                self.log.warning("sbatch reported %s but job %s exists: re-attaching",
+                                 exc, again.job_id)
+                return again
+            raise
+        self.log.info("submitted Slurm job %s (key %s, run dir %s)", job_id, key, run_dir)
+        return self.hook.describe(job_id) or JobRecord(job_id=job_id, name=key, state="PENDING")
+
+    def _lookup_quietly(self, key: str) -> JobRecord | None:
+        try:
+            return self.hook.find_by_key(key)
+        except (ClusterUnreachable, SlurmCommandError):
+            return None
+
+    def _persist(self, context, job_id: str, log_path: str, run_dir: str) -> None:
+        ti = context["ti"]
+        settings = self.hook.settings
+        ti.xcom_push(key=XCOM_JOB, value={"job_id": job_id, "log_path": log_path,
+                                          "run_dir": run_dir})
+        ti.xcom_push(key=SlurmJobLink().xcom_key, value=job_url(settings, job_id))
+        ti.xcom_push(key=SlurmLogLink().xcom_key, value=log_url(settings, job_id, log_path))
+
+    # -- waiting in the worker (deferrable=False) -------------------------------
+    def _wait_in_worker(self, job_id: str, log_path: str) -> dict[str, Any]:
+        offset, unknown_since = 0, None
+        while True:
+            time.sleep(self.poll_interval)
+            try:
+                data = self.hook.read_bytes(log_path, offset)
+                cut = data.rfind(b"\n") + 1
+                for line in data[:cut].decode("utf-8", "replace").splitlines():
+                    self.log.info("[slurm %s] %s", job_id, line)
+                offset += cut
+                record = self.hook.describe(job_id)
+            except (ClusterUnreachable, SlurmCommandError) as exc:
+                self.log.warning("polling job %s failed: %s", job_id, exc)
+                record = None
+            if record is None:
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since > self.unknown_budget_s:
+                    return {"status": "error", "job_id": job_id,
+                            "message": f"job {job_id} state unknown past the budget"}
+                continue
+            unknown_since = None
+            outcome = classify(record.state)
+            if outcome.terminal:
+                return {"status": "terminal", "job_id": job_id, "outcome": outcome.value,
+                        "record": record_payload(record)}
+
+    # -- completion ------------------------------------------------------------
+    def execute_complete(self, context, event: dict[str, Any]) -> Any:
+        return self._complete(context, event)
+
+    def _complete(self, context, event: dict[str, Any]) -> Any:
+        job_id = event["job_id"]
+        self._job_id = job_id
+        info = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_JOB,
+                                       map_indexes=context["ti"].map_index) or {}
+        if event["status"] != "terminal":
+            raise ClusterUnreachable(event.get("message", "polling failed"))
+        record = event["record"]
+        if event["outcome"] not in self.success_outcomes:
+            tail = self.hook.log_tail(info["log_path"]) if info.get("log_path") else ""
+            raise SlurmJobFailed(
+                f"Slurm job {job_id} ended {record['state']} {record['state_detail']}".rstrip()
+                + f" (exit code {record['exit_code']}, signal {record['signal']}, "
+                f"classified {event['outcome']}); last lines of {info.get('log_path')}:\n{tail}")
+        result = None
+        if self.result_file and info.get("run_dir"):
+            result = self.hook.read_json(posixpath.join(info["run_dir"], self.result_file))
+        self.log.info("Slurm job %s ended %s after %ss; result: %s", job_id, record["state"],
+                      record["elapsed_s"], json.dumps(result, sort_keys=True))
+        return {"job_id": job_id, "outcome": event["outcome"], "record": record,
+                "run_dir": info.get("run_dir"), "log_path": info.get("log_path"),
+                "result": result}
+
+    def on_kill(self) -> None:
+        """The task was killed while waiting in a worker: cancel its job."""
+        if self._job_id:
+            self.log.info("task killed: cancelling Slurm job %s", self._job_id)
+            self.hook.cancel(self._job_id)
+
+
+def _templated(*values: Any) -> bool:
+    return "{{" in repr(values) or "{%" in repr(values)

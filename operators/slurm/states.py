@@ -1,0 +1,70 @@
+"""What each Slurm state means. The one place that says so (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    """The meaning of a job state for the code that waits on it."""
+
+    ACTIVE = "active"  # keep waiting
+    SUCCESS = "success"
+    RETRYABLE = "retryable"  # the cluster failed, not the job: retry elsewhere
+    TIME_LIMIT = "time_limit"  # the job ran out of wall time
+    FAILURE = "failure"
+    UNKNOWN = "unknown"  # the query failed: never read as a failure
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (Outcome.ACTIVE, Outcome.UNKNOWN)
+
+
+ACTIVE_STATES = frozenset(
+    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED",
+     "REQUEUE_HOLD", "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED",
+     "RESV_DEL_HOLD", "SPECIAL_EXIT", "POWER_UP_NODE", "UPDATE_DB"}
+)
+SUCCESS_STATES = frozenset({"COMPLETED"})
+RETRYABLE_STATES = frozenset({"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"})
+TIME_LIMIT_STATES = frozenset({"TIMEOUT"})
+FAILURE_STATES = frozenset({"FAILED", "OUT_OF_MEMORY", "CANCELLED", "DEADLINE", "REVOKED"})
+
+# squeue prints short codes with %t; we ask for %T but accept both.
+SHORT_CODES = {
+    "PD": "PENDING", "CF": "CONFIGURING", "R": "RUNNING", "CG": "COMPLETING",
+    "RQ": "REQUEUED", "RF": "REQUEUE_FED", "RH": "REQUEUE_HOLD", "RS": "RESIZING",
+    "S": "SUSPENDED", "SI": "SIGNALING", "SO": "STAGE_OUT", "ST": "STOPPED",
+    "SE": "SPECIAL_EXIT", "CD": "COMPLETED", "F": "FAILED", "OOM": "OUT_OF_MEMORY",
+    "CA": "CANCELLED", "DL": "DEADLINE", "PR": "PREEMPTED", "NF": "NODE_FAIL",
+    "BF": "BOOT_FAIL", "TO": "TIMEOUT", "RV": "REVOKED",
+}
+
+_BY_STATE = {
+    **dict.fromkeys(ACTIVE_STATES, Outcome.ACTIVE),
+    **dict.fromkeys(SUCCESS_STATES, Outcome.SUCCESS),
+    **dict.fromkeys(RETRYABLE_STATES, Outcome.RETRYABLE),
+    **dict.fromkeys(TIME_LIMIT_STATES, Outcome.TIME_LIMIT),
+    **dict.fromkeys(FAILURE_STATES, Outcome.FAILURE),
+}
+
+
+class UnknownSlurmState(ValueError):
+    """Slurm printed a state we have no meaning for: stop rather than poll forever."""
+
+
+def normalize_state(raw: str) -> tuple[str, str]:
+    """``"CANCELLED by 1000"`` -> ``("CANCELLED", "by 1000")``; short codes expanded."""
+    text = raw.strip()
+    base, _, detail = text.partition(" ")
+    base = base.rstrip("+")  # sacct marks truncated values with '+'
+    return SHORT_CODES.get(base, base), detail.strip()
+
+
+def classify(raw_state: str) -> Outcome:
+    """The meaning of a Slurm state string as ``sacct``/``squeue`` print it."""
+    base, _ = normalize_state(raw_state)
+    try:
+        return _BY_STATE[base]
+    except KeyError:
+        raise UnknownSlurmState(f"unknown Slurm state {raw_state!r}") from None

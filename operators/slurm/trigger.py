@@ -1,0 +1,126 @@
+"""Waits for a Slurm job in the triggerer and streams its log into the task log.
+
+The trigger only waits: status comes from the shared :class:`ClusterPoller`
+(one ``sacct`` per cluster per interval for every watched job), the log is
+read by byte offset over the poller's SFTP channel. It must live in this
+installed package: the triggerer cannot load trigger classes from DAG files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from operators.slurm.parse import job_view
+from operators.slurm.poller import ClusterPoller
+from operators.slurm.states import Outcome, UnknownSlurmState, classify
+
+# Job-log bytes forwarded per round: enough for chatty jobs, bounded for the triggerer.
+LOG_CHUNK = 256 * 1024
+
+
+def record_payload(record) -> dict[str, Any]:
+    """The JSON-safe part of a :class:`JobRecord` that travels in an event or XCom."""
+    return {
+        "job_id": record.job_id, "state": record.state, "state_detail": record.state_detail,
+        "exit_code": record.exit_code, "signal": record.signal,
+        "submit": record.submit.isoformat() if record.submit else None,
+        "start": record.start.isoformat() if record.start else None,
+        "end": record.end.isoformat() if record.end else None,
+        "elapsed_s": record.elapsed_s, "nodelist": record.nodelist, "gpus": record.gpus,
+        "reason": record.reason,
+    }
+
+
+class SlurmJobTrigger(BaseTrigger):
+    """Fires once the job reaches a terminal state, or polling fails past its budget."""
+
+    def __init__(self, ssh_conn_id: str, job_id: str, log_path: str | None = None,
+                 log_offset: int = 0, poll_interval: float = 5.0,
+                 unknown_budget_s: float = 600.0) -> None:
+        super().__init__()
+        self.ssh_conn_id = ssh_conn_id
+        self.job_id = job_id
+        self.log_path = log_path
+        self.log_offset = log_offset
+        self.poll_interval = poll_interval
+        self.unknown_budget_s = unknown_budget_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "ssh_conn_id": self.ssh_conn_id, "job_id": self.job_id,
+            "log_path": self.log_path, "log_offset": self.log_offset,
+            "poll_interval": self.poll_interval, "unknown_budget_s": self.unknown_budget_s,
+        })
+
+    async def _stream_log(self, poller: ClusterPoller) -> None:
+        if not self.log_path:
+            return
+        try:
+            while True:
+                data = await poller.read_log(self.log_path, self.log_offset, LOG_CHUNK)
+                # Forward whole lines only; a partial last line waits for the next round.
+                cut = data.rfind(b"\n") + 1 if len(data) < LOG_CHUNK else len(data)
+                if cut == 0:
+                    return
+                for line in data[:cut].decode("utf-8", "replace").splitlines():
+                    self.log.info("[slurm %s] %s", self.job_id, line)
+                self.log_offset += cut
+                if len(data) < LOG_CHUNK:
+                    return
+        except Exception as exc:  # noqa: BLE001 - a log hiccup must not fail the task
+            self.log.warning("could not read job log %s: %s", self.log_path, exc)
+
+    def _event(self, status: str, **fields: Any) -> TriggerEvent:
+        return TriggerEvent({"status": status, "job_id": self.job_id,
+                             "log_offset": self.log_offset, **fields})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
+        poller.watch(self.job_id)
+        seq, unknown_since, last_state = 0, None, None
+        try:
+            while True:
+                snap = await poller.wait(seq)
+                seq = snap.seq
+                await self._stream_log(poller)
+                record = job_view(snap.records, self.job_id)
+                if record is None:
+                    unknown_since = unknown_since or time.monotonic()
+                    waited = time.monotonic() - unknown_since
+                    if waited > self.unknown_budget_s:
+                        yield self._event("error", message=(
+                            f"job {self.job_id} state unknown for {waited:.0f}s: "
+                            f"{snap.error or 'not found by sacct or squeue'}"))
+                        return
+                    continue
+                unknown_since = None
+                try:
+                    outcome = classify(record.state)
+                except UnknownSlurmState as exc:
+                    yield self._event("error", message=str(exc))
+                    return
+                if record.state != last_state:
+                    self.log.info("Slurm job %s is %s", self.job_id, record.state)
+                    last_state = record.state
+                if outcome.terminal:
+                    await asyncio.sleep(0)  # let the log's last write land before the drain
+                    await self._stream_log(poller)
+                    yield self._event("terminal", outcome=outcome.value,
+                                      record=record_payload(record))
+                    return
+        finally:
+            poller.unwatch(self.job_id)
+
+    async def on_kill(self) -> None:
+        """The user cleared or failed the deferred task: cancel its job."""
+        poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
+        self.log.info("task killed while deferred: cancelling Slurm job %s", self.job_id)
+        await asyncio.wait_for(poller.cancel(self.job_id), timeout=30)
+
+
+__all__ = ["Outcome", "SlurmJobTrigger", "record_payload"]

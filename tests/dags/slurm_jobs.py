@@ -1,0 +1,80 @@
+"""DAGs that exercise the Slurm layer against the local cluster (tests only)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, Param
+
+from operators.slurm.operator import SlurmJobOperator
+from operators.slurm.sensor import SlurmJobSensor
+
+CONN = "slurm_local"
+COMMON = {"schedule": None, "start_date": datetime(2026, 1, 1), "catchup": False,
+          "tags": ["test"]}
+RESULT = "printf '{\"answer\": %s}' 42 > result.json"
+
+
+class CrashAfterSubmit(SlurmJobOperator):
+    """Dies on its first try right after submitting, as a worker lost mid-task would."""
+
+    def _persist(self, context, job_id, log_path, run_dir):
+        super()._persist(context, job_id, log_path, run_dir)
+        if context["ti"].try_number == 1:
+            raise RuntimeError(f"simulated worker crash after submitting job {job_id}")
+
+
+with DAG("slurm_success", **COMMON):
+    SlurmJobOperator(task_id="hello", ssh_conn_id=CONN, result_file="result.json",
+                     job={"time": "5", "cpus_per_task": 1},
+                     command=f"echo hello from $(hostname); echo line two; {RESULT}")
+
+with DAG("slurm_success_in_worker", **COMMON):
+    SlurmJobOperator(task_id="hello", ssh_conn_id=CONN, result_file="result.json",
+                     deferrable=False, poll_interval=1,
+                     command=f"echo hello from the worker; {RESULT}")
+
+with DAG("slurm_fail", **COMMON):
+    SlurmJobOperator(task_id="boom", ssh_conn_id=CONN,
+                     command="echo about to fail; echo 'the reason: disk on fire' >&2; exit 3")
+
+with DAG("slurm_timeout", **COMMON):
+    SlurmJobOperator(task_id="overrun", ssh_conn_id=CONN, job={"time": "1"},
+                     command="echo starting; sleep 400")
+
+with DAG("slurm_chain", **COMMON):
+    first = SlurmJobOperator(task_id="first", ssh_conn_id=CONN, deferrable=True,
+                             command="sleep 3; echo first > first.txt")
+    second = SlurmJobOperator(
+        task_id="second", ssh_conn_id=CONN,
+        job={"dependency": "afterok:{{ ti.xcom_pull(task_ids='first')['job_id'] }}"},
+        command="echo second ran after {{ ti.xcom_pull(task_ids='first')['job_id'] }}")
+    wait_first = SlurmJobSensor(task_id="wait_first", ssh_conn_id=CONN,
+                                job_id="{{ ti.xcom_pull(task_ids='first')['job_id'] }}")
+    first >> [second, wait_first]
+
+with DAG("slurm_array", **COMMON):
+    SlurmJobOperator(task_id="fanout", ssh_conn_id=CONN, job={"array": "0-2"},
+                     command='echo "task $SLURM_ARRAY_TASK_ID" > "task-$SLURM_ARRAY_TASK_ID.txt"')
+
+with DAG("slurm_long", params={"sleep": Param(120, type="integer", minimum=1),
+                               "deferrable": Param(True, type="boolean")}, **COMMON):
+    SlurmJobOperator(task_id="long_deferred", ssh_conn_id=CONN,
+                     command="echo sleeping; sleep {{ params.sleep | int }}; echo woke")
+    SlurmJobOperator(task_id="long_in_worker", ssh_conn_id=CONN, deferrable=False,
+                     poll_interval=1,
+                     command="echo sleeping; sleep {{ params.sleep | int }}; echo woke")
+
+with DAG("slurm_retry_reattach", **COMMON):
+    CrashAfterSubmit(task_id="crashy", ssh_conn_id=CONN, retries=1,
+                     retry_delay=timedelta(seconds=1), result_file="result.json",
+                     command=f"sleep 20; {RESULT}")
+
+with DAG("slurm_hostile", params={"msg": "$(touch /tmp/pp-pwned-param)"}, **COMMON):
+    SlurmJobOperator(
+        task_id="quoted", ssh_conn_id=CONN, result_file="result.json",
+        environment={"EVIL": "$(touch /tmp/pp-pwned-env); `touch /tmp/pp-pwned-env`\n;x",
+                     "FROM_PARAM": "{{ params.msg }}"},
+        files={"input.txt": "$(touch /tmp/pp-pwned-file)\n"},
+        command='printf "%s|%s|%s" "$EVIL" "$FROM_PARAM" "$(cat input.txt)" > out.txt; '
+                + RESULT)

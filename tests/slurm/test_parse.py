@@ -1,0 +1,128 @@
+"""Parsing of sbatch/sacct/squeue output and the meaning of states: table-driven."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from operators.slurm.jobkey import job_key
+from operators.slurm.parse import (
+    SACCT_FIELDS,
+    SlurmParseError,
+    parse_sacct,
+    parse_sbatch,
+    parse_squeue,
+)
+from operators.slurm.states import Outcome, UnknownSlurmState, classify
+
+
+@pytest.mark.parametrize(("out", "job_id"), [
+    ("123\n", "123"), ("123;pp-local\n", "123"), ("Submitted batch job 9\n7\n", "7"),
+    ("45_3", "45_3"),
+])
+def test_parse_sbatch(out: str, job_id: str) -> None:
+    assert parse_sbatch(out) == job_id
+
+
+@pytest.mark.parametrize("out", ["", "sbatch: error: Batch job submission failed\n", "abc"])
+def test_parse_sbatch_rejects_garbage(out: str) -> None:
+    with pytest.raises(SlurmParseError):
+        parse_sbatch(out)
+
+
+def row(job_id, state, exit_code="0:0", name="pp-x", nodes="node1", tres="cpu=1,mem=1G,node=1",
+        start="2026-11-29T10:00:05", end="2026-11-29T10:01:05", elapsed="60", reason="None"):
+    cells = dict(JobID=job_id, JobIDRaw=job_id.split("_")[0], JobName=name, State=state,
+                 ExitCode=exit_code, Submit="2026-11-29T10:00:00", Start=start, End=end,
+                 ElapsedRaw=elapsed, NodeList=nodes, AllocTRES=tres, Reason=reason)
+    assert list(cells) == list(SACCT_FIELDS)
+    return "|".join(cells.values())
+
+
+def test_sacct_skips_steps_but_takes_batch_exit_code() -> None:
+    out = "\n".join([
+        row("100", "FAILED", "0:0"),
+        row("100.batch", "FAILED", "3:0", name="batch"),
+        row("100.extern", "COMPLETED", name="extern"),
+        row("100.0", "FAILED", "1:0", name="python"),
+    ])
+    records = parse_sacct(out)
+    assert list(records) == ["100"]
+    assert (records["100"].state, records["100"].exit_code) == ("FAILED", 3)
+    assert records["100"].queue_wait_s == 5.0
+    assert records["100"].start == datetime(2026, 11, 29, 10, 0, 5)
+
+
+@pytest.mark.parametrize(("state", "base", "detail", "outcome"), [
+    ("COMPLETED", "COMPLETED", "", Outcome.SUCCESS),
+    ("CANCELLED by 1000", "CANCELLED", "by 1000", Outcome.FAILURE),
+    ("CANCELLED+", "CANCELLED", "", Outcome.FAILURE),
+    ("TIMEOUT", "TIMEOUT", "", Outcome.TIME_LIMIT),
+    ("NODE_FAIL", "NODE_FAIL", "", Outcome.RETRYABLE),
+    ("PREEMPTED", "PREEMPTED", "", Outcome.RETRYABLE),
+    ("BOOT_FAIL", "BOOT_FAIL", "", Outcome.RETRYABLE),
+    ("OUT_OF_MEMORY", "OUT_OF_MEMORY", "", Outcome.FAILURE),
+    ("DEADLINE", "DEADLINE", "", Outcome.FAILURE),
+    ("FAILED", "FAILED", "", Outcome.FAILURE),
+    ("PENDING", "PENDING", "", Outcome.ACTIVE),
+    ("RUNNING", "RUNNING", "", Outcome.ACTIVE),
+    ("REQUEUED", "REQUEUED", "", Outcome.ACTIVE),
+    ("COMPLETING", "COMPLETING", "", Outcome.ACTIVE),
+    ("SUSPENDED", "SUSPENDED", "", Outcome.ACTIVE),
+    ("RESIZING", "RESIZING", "", Outcome.ACTIVE),
+    ("CONFIGURING", "CONFIGURING", "", Outcome.ACTIVE),
+])
+def test_states(state: str, base: str, detail: str, outcome: Outcome) -> None:
+    record = parse_sacct(row("7", state))["7"]
+    assert (record.state, record.state_detail) == (base, detail)
+    assert classify(state) is outcome
+
+
+def test_unknown_state_raises_instead_of_polling_forever() -> None:
+    with pytest.raises(UnknownSlurmState):
+        classify("WIBBLE")
+    assert not Outcome.UNKNOWN.terminal and not Outcome.ACTIVE.terminal
+    assert Outcome.FAILURE.terminal and Outcome.TIME_LIMIT.terminal
+
+
+def test_sacct_array_tasks_and_gpus() -> None:
+    out = "\n".join([
+        row("200_0", "COMPLETED", tres="billing=4,cpu=4,gres/gpu=4,node=1"),
+        row("200_1", "FAILED", "1:0", tres="gres/gpu:h100=2,cpu=2"),
+        row("200_[2-5]", "PENDING", start="Unknown", end="Unknown", elapsed="0"),
+    ])
+    records = parse_sacct(out)
+    assert records["200_0"].gpus == 4 and records["200_1"].gpus == 2
+    assert records["200_1"].exit_code == 1
+    assert records["200_[2-5]"].start is None and records["200_[2-5]"].state == "PENDING"
+
+
+def test_sacct_signal_and_reason() -> None:
+    record = parse_sacct(row("8", "CANCELLED by 0", "0:15", reason="Dependency"))["8"]
+    assert (record.signal, record.reason) == (15, "Dependency")
+    assert parse_sacct(row("9", "COMPLETED"))["9"].reason == ""
+
+
+def test_sacct_wrong_shape_is_an_error_not_a_failure() -> None:
+    with pytest.raises(SlurmParseError, match="line 1"):
+        parse_sacct("1|2|3\n")
+
+
+def test_squeue() -> None:
+    records = parse_squeue("300|pp-a|PENDING|Priority|\n301|pp-b|R|None|node1\n")
+    assert records["300"].reason == "Priority"
+    assert records["301"].state == "RUNNING" and records["301"].nodelist == "node1"
+    with pytest.raises(SlurmParseError):
+        parse_squeue("300|pp-a\n")
+
+
+def test_job_key_is_deterministic_and_ignores_try_number() -> None:
+    a = job_key("dag", "manual__2026", "train.segment_1", -1, 1)
+    assert a == job_key("dag", "manual__2026", "train.segment_1", -1, 1)
+    assert a != job_key("dag", "manual__2026", "train.segment_1", -1, 2)
+    assert a != job_key("dag", "manual__2027", "train.segment_1", -1, 1)
+    assert a != job_key("dag", "manual__2026", "train.segment_1", 0, 1)
+    assert a.startswith("pp-train.segment_1-") and len(a.rsplit("-", 1)[1]) == 16
+    weird = job_key("d", "r", "$(rm -rf /)\n;x", 0)
+    assert weird.replace("-", "").replace("_", "").replace(".", "").isalnum()

@@ -1,0 +1,174 @@
+"""A real Airflow for the tests: its environment, ``dags test``, and ``standalone``.
+
+``airflow dags test`` runs triggers inline and so hides trigger-loading
+problems; ``airflow standalone`` runs the real scheduler, dag-processor,
+triggerer and api-server, which is what users run. Both are used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.support.cluster import REPO, connection_env, wait_for
+
+VENV_BIN = Path(sys.executable).parent
+AIRFLOW = str(VENV_BIN / "airflow")
+TERMINAL_RUN_STATES = {"success", "failed"}
+
+
+def airflow_env(home: Path, dags_folder: Path, port: int = 18080,
+                extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.update(connection_env())
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__CORE__PARALLELISM": "32",
+        "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "32",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        "PYTHONPATH": str(REPO),
+    })
+    env.update(extra or {})
+    return env
+
+
+def dags_test(env: dict[str, str], dag_id: str, conf: dict | None = None,
+              timeout: float = 600) -> subprocess.CompletedProcess:
+    """``airflow dags test``: every task in this process, triggers run inline."""
+    argv = [AIRFLOW, "dags", "test", dag_id]
+    if conf:
+        argv += ["--conf", json.dumps(conf)]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def migrate(env: dict[str, str]) -> None:
+    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True,
+                   cwd=REPO)
+
+
+class Standalone:
+    """``airflow standalone`` in its own process group, with a small REST client."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self.base = env["AIRFLOW__API__BASE_URL"]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 180) -> Standalone:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([AIRFLOW, "standalone"], env=self.env, cwd=REPO,
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"airflow standalone exited; see {self.log_path}")
+            try:
+                health = self.request("GET", "/api/v2/monitor/health")
+                if all(health.get(c, {}).get("status") == "healthy"
+                       for c in ("metadatabase", "scheduler", "triggerer")):
+                    return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"airflow standalone not healthy in {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        """SIGINT to the group (standalone's clean stop), then SIGTERM, then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._log.close()
+
+    def kill_component(self, name: str, sig: int = signal.SIGKILL) -> list[int]:
+        """Kill the processes of one component (e.g. ``triggerer``) in our group."""
+        out = subprocess.run(["pgrep", "-g", str(self.proc.pid), "-f", f"airflow {name}"],
+                             capture_output=True, text=True).stdout
+        pids = [int(p) for p in out.split()]
+        for pid in pids:
+            os.kill(pid, sig)
+        return pids
+
+    # -- REST --------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback only
+            payload = resp.read()
+        return json.loads(payload) if payload else None
+
+    def wait_dag(self, dag_id: str, timeout: float = 120) -> None:
+        def parsed():
+            try:
+                return self.request("GET", f"/api/v2/dags/{dag_id}")
+            except urllib.error.HTTPError:
+                return None
+        wait_for(parsed, timeout, f"DAG {dag_id} to be parsed")
+
+    def trigger(self, dag_id: str, conf: dict | None = None, run_id: str | None = None) -> str:
+        self.wait_dag(dag_id)
+        body: dict[str, Any] = {"logical_date": None, "conf": conf or {}}
+        if run_id:
+            body["dag_run_id"] = run_id
+        return self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", body)["dag_run_id"]
+
+    def run_state(self, dag_id: str, run_id: str) -> str:
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")["state"]
+
+    def wait_run(self, dag_id: str, run_id: str, timeout: float = 300) -> str:
+        return wait_for(lambda: (s := self.run_state(dag_id, run_id)) in TERMINAL_RUN_STATES and s,
+                     timeout, f"run {run_id} of {dag_id}")
+
+    def task_instance(self, dag_id: str, run_id: str, task_id: str) -> dict:
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}")
+
+    def wait_task_state(self, dag_id: str, run_id: str, task_id: str, states: set[str],
+                        timeout: float = 120) -> str:
+        return wait_for(lambda: (s := self.task_instance(dag_id, run_id, task_id)["state"]) in states
+                     and s, timeout, f"{task_id} to reach {states}")
+
+    def set_task_state(self, dag_id: str, run_id: str, task_id: str, state: str) -> Any:
+        return self.request("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"
+                            f"{task_id}", {"new_state": state})
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"
+                            f"{task_id}/xcomEntries/{key}?deserialize=true")["value"]
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+        req = urllib.request.Request(
+            f"{self.base}/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/"
+            f"{try_number}?full_content=true", headers={"Accept": "text/plain"})
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback only
+            return resp.read().decode("utf-8", "replace")
+

@@ -1,0 +1,102 @@
+"""The local cluster as the tests see it: its Airflow connection and ``sacct``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STATE = Path(os.environ.get("PP_CLUSTER_STATE", "/var/lib/pretrain-cluster"))
+CONN_ID = "slurm_local"
+CLUSTER_SCRIPT = REPO / "docker" / "local_cluster.sh"
+
+
+class ClusterNotUp(RuntimeError):
+    pass
+
+
+def connection_env() -> dict[str, str]:
+    """``AIRFLOW_CONN_SLURM_LOCAL`` as ``local_cluster.sh up`` wrote it."""
+    env_file = STATE / "airflow.env"
+    if not env_file.exists():
+        raise ClusterNotUp(f"{env_file} missing: run `make cluster-up` first")
+    match = re.search(r"AIRFLOW_CONN_SLURM_LOCAL='(.*)'", env_file.read_text())
+    if not match:
+        raise ClusterNotUp(f"{env_file} holds no AIRFLOW_CONN_SLURM_LOCAL")
+    return {"AIRFLOW_CONN_SLURM_LOCAL": match.group(1)}
+
+
+def connection() -> dict:
+    return json.loads(connection_env()["AIRFLOW_CONN_SLURM_LOCAL"])
+
+
+def check_up() -> None:
+    proc = subprocess.run(["bash", str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ClusterNotUp(f"local cluster is not up (make cluster-up):\n{proc.stdout}{proc.stderr}")
+
+
+def sacct_by_name(name: str) -> list[dict[str, str]]:
+    """Every allocation row ``sacct`` has for jobs named ``name`` (duplicates included)."""
+    out = subprocess.run(
+        ["sacct", "--parsable2", "--noheader", "--allusers", "--duplicates", "-X",
+         "--starttime=now-1days", f"--name={name}", "--format=JobID,JobName,State,ExitCode"],
+        capture_output=True, text=True, check=True).stdout
+    rows = [dict(zip(("id", "name", "state", "exit"), line.split("|"), strict=True))
+            for line in out.splitlines() if line.strip()]
+    return [r for r in rows if r["name"] == name]
+
+
+def sacct_job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["sacct", "--parsable2", "--noheader", "-X", f"--jobs={job_id}",
+                          "--format=JobID,JobName,State,ExitCode"],
+                         capture_output=True, text=True, check=True).stdout
+    line = out.splitlines()[0]
+    return dict(zip(("id", "name", "state", "exit"), line.split("|"), strict=True))
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def sshd_pid() -> int:
+    return int((STATE / "pids" / "sshd.pid").read_text().strip())
+
+
+def drop_sshd() -> None:
+    """Kill sshd and every session it holds: established connections break too."""
+    pid = sshd_pid()
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    os.kill(pid, signal.SIGTERM)
+    for child in children.split():
+        try:
+            os.kill(int(child), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def restart_cluster_services() -> None:
+    subprocess.run(["bash", str(CLUSTER_SCRIPT), "up"], check=True, capture_output=True)
+
+
+def remote(command: str) -> str:
+    """Run ``command`` as the cluster user over the real sshd."""
+    conn = connection()
+    extra = conn["extra"]
+    argv = ["ssh", "-i", extra["key_file"], "-p", str(conn["port"]),
+            "-o", f"UserKnownHostsFile={STATE / 'known_hosts'}", "-o", "StrictHostKeyChecking=yes",
+            "-o", "BatchMode=yes", f"{conn['login']}@{conn['host']}", command]
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+

@@ -24,8 +24,8 @@ from operators.slurm.jobkey import job_key
 from operators.slurm.links import SlurmJobLink, SlurmLogLink, job_url, log_url
 from operators.slurm.parse import JobRecord
 from operators.slurm.spec import ContainerSpec, JobSpec
-from operators.slurm.states import Outcome, classify
-from operators.slurm.trigger import SlurmJobTrigger, record_payload
+from operators.slurm.states import Outcome, SettleGate, classify
+from operators.slurm.trigger import SlurmJobTrigger, record_payload, success_summary
 
 LOG_NAME = "slurm-%j.out"
 ARRAY_LOG_NAME = "slurm-%A_%a.out"  # one log per array task
@@ -69,6 +69,8 @@ class SlurmJobOperator(BaseOperator):
     :param result_file: a JSON file the job writes in its run directory; returned.
     :param success_outcomes: outcomes that count as success (a training segment
         adds ``time_limit``).
+    :param wait_for_completion: False returns once the job is submitted, for chains
+        built from Slurm dependencies (``afterok:<job id>``) and a sensor.
     """
 
     template_fields = ("command", "job", "environment", "files", "result_file")
@@ -82,7 +84,7 @@ class SlurmJobOperator(BaseOperator):
                  segment: int | None = None, deferrable: bool = True,
                  poll_interval: float = 5.0, unknown_budget_s: float = 600.0,
                  success_outcomes: Collection[str] = (Outcome.SUCCESS.value,),
-                 **kwargs: Any) -> None:
+                 wait_for_completion: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ssh_conn_id = ssh_conn_id
         self.command = command
@@ -95,6 +97,7 @@ class SlurmJobOperator(BaseOperator):
         self.poll_interval = poll_interval
         self.unknown_budget_s = unknown_budget_s
         self.success_outcomes = frozenset(success_outcomes)
+        self.wait_for_completion = wait_for_completion
         self._job_id: str | None = None
         self._hook = None  # a SlurmHook, made on first use
         if not _templated(self.job, self.environment, self.command):
@@ -125,11 +128,14 @@ class SlurmJobOperator(BaseOperator):
         self._job_id = record.job_id
         log_path = log_path_for(spec, record.job_id)
         self._persist(context, record.job_id, log_path, run_dir)
+        if not self.wait_for_completion:
+            return {"job_id": record.job_id, "state": record.state, "run_dir": run_dir,
+                    "log_path": log_path}
         try:
             outcome = classify(record.state)
         except ValueError:
             outcome = Outcome.ACTIVE
-        if outcome.terminal:  # finished before we could defer (or re-attached to a done job)
+        if outcome.terminal and record.source == "sacct":  # finished before we could defer
             return self._complete(context, {"status": "terminal", "job_id": record.job_id,
                                             "outcome": outcome.value,
                                             "record": record_payload(record)})
@@ -179,7 +185,7 @@ class SlurmJobOperator(BaseOperator):
 
     # -- waiting in the worker (deferrable=False) -------------------------------
     def _wait_in_worker(self, job_id: str, log_path: str) -> dict[str, Any]:
-        offset, unknown_since = 0, None
+        offset, unknown_since, gate = 0, None, SettleGate()
         while True:
             time.sleep(self.poll_interval)
             try:
@@ -200,7 +206,7 @@ class SlurmJobOperator(BaseOperator):
                 continue
             unknown_since = None
             outcome = classify(record.state)
-            if outcome.terminal:
+            if gate.final(outcome, record.source, time.monotonic()):
                 return {"status": "terminal", "job_id": job_id, "outcome": outcome.value,
                         "record": record_payload(record)}
 
@@ -227,9 +233,7 @@ class SlurmJobOperator(BaseOperator):
             result = self.hook.read_json(posixpath.join(info["run_dir"], self.result_file))
         self.log.info("Slurm job %s ended %s after %ss; result: %s", job_id, record["state"],
                       record["elapsed_s"], json.dumps(result, sort_keys=True))
-        return {"job_id": job_id, "outcome": event["outcome"], "record": record,
-                "run_dir": info.get("run_dir"), "log_path": info.get("log_path"),
-                "result": result}
+        return success_summary(event, info.get("run_dir"), info.get("log_path"), result)
 
     def on_kill(self) -> None:
         """The task was killed while waiting in a worker: cancel its job."""

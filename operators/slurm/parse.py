@@ -37,6 +37,7 @@ class JobRecord:
     nodelist: str = ""
     gpus: int = 0
     reason: str = ""  # why it pends or ended, as Slurm says
+    source: str = "sacct"  # "squeue" rows lack exit codes and times: provisional
 
     @property
     def queue_wait_s(self) -> float | None:
@@ -140,7 +141,7 @@ def job_view(records: dict[str, JobRecord], job_id: str) -> JobRecord | None:
         end=max((r.end for r in tasks if r.end), default=None),
         elapsed_s=sum(r.elapsed_s or 0 for r in tasks),
         nodelist=",".join(sorted({r.nodelist for r in tasks if r.nodelist})),
-        gpus=sum(r.gpus for r in tasks), reason=worst.reason,
+        gpus=sum(r.gpus for r in tasks), reason=worst.reason, source=worst.source,
     )
 
 
@@ -165,5 +166,6 @@ def parse_squeue(output: str) -> dict[str, JobRecord]:
         job_id, name, state, reason, nodes = cells
         base, detail = normalize_state(state)
         records[job_id] = JobRecord(job_id=job_id, name=name, state=base, state_detail=detail,
-                                    reason=reason, nodelist=nodes)
+                                    reason="" if reason == "None" else reason, nodelist=nodes,
+                                    source="squeue")
     return records

@@ -68,3 +68,25 @@ def classify(raw_state: str) -> Outcome:
         return _BY_STATE[base]
     except KeyError:
         raise UnknownSlurmState(f"unknown Slurm state {raw_state!r}") from None
+
+
+# sacct learns of a job's end a few seconds after squeue; only sacct has the exit
+# code and times. A terminal state seen only in squeue waits this long for sacct.
+SACCT_GRACE_S = 30.0
+
+
+class SettleGate:
+    """Holds back a terminal state that only ``squeue`` has reported, for a while."""
+
+    def __init__(self, grace_s: float = SACCT_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self._since: float | None = None
+
+    def final(self, outcome: Outcome, source: str, now: float) -> bool:
+        if not outcome.terminal:
+            self._since = None
+            return False
+        if source != "squeue":
+            return True
+        self._since = self._since if self._since is not None else now
+        return now - self._since >= self.grace_s

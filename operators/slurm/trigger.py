@@ -17,7 +17,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators.slurm.parse import job_view
 from operators.slurm.poller import ClusterPoller
-from operators.slurm.states import Outcome, UnknownSlurmState, classify
+from operators.slurm.states import SettleGate, UnknownSlurmState, classify
 
 # Job-log bytes forwarded per round: enough for chatty jobs, bounded for the triggerer.
 LOG_CHUNK = 256 * 1024
@@ -36,8 +36,20 @@ def record_payload(record) -> dict[str, Any]:
     }
 
 
+def success_summary(event: dict[str, Any], run_dir: str | None, log_path: str | None,
+                    result: Any) -> dict[str, Any]:
+    """The task's return value (XCom) once its job succeeded: small, JSON, no secrets."""
+    return {"job_id": event["job_id"], "outcome": event["outcome"], "record": event["record"],
+            "run_dir": run_dir, "log_path": log_path, "result": result}
+
+
 class SlurmJobTrigger(BaseTrigger):
-    """Fires once the job reaches a terminal state, or polling fails past its budget."""
+    """Fires once the job reaches a terminal state, or polling fails past its budget.
+
+    Success is not ended here with a ``TaskSuccessEvent``: Airflow 3.3 stores
+    XComs pushed that way JSON-encoded twice, so downstream ``xcom_pull`` would
+    get a string. The worker resumes and returns the summary instead.
+    """
 
     def __init__(self, ssh_conn_id: str, job_id: str, log_path: str | None = None,
                  log_offset: int = 0, poll_interval: float = 5.0,
@@ -83,6 +95,7 @@ class SlurmJobTrigger(BaseTrigger):
         poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
         poller.watch(self.job_id)
         seq, unknown_since, last_state = 0, None, None
+        gate = SettleGate()
         try:
             while True:
                 snap = await poller.wait(seq)
@@ -107,7 +120,7 @@ class SlurmJobTrigger(BaseTrigger):
                 if record.state != last_state:
                     self.log.info("Slurm job %s is %s", self.job_id, record.state)
                     last_state = record.state
-                if outcome.terminal:
+                if gate.final(outcome, record.source, time.monotonic()):
                     await asyncio.sleep(0)  # let the log's last write land before the drain
                     await self._stream_log(poller)
                     yield self._event("terminal", outcome=outcome.value,
@@ -123,4 +136,3 @@ class SlurmJobTrigger(BaseTrigger):
         await asyncio.wait_for(poller.cancel(self.job_id), timeout=30)
 
 
-__all__ = ["Outcome", "SlurmJobTrigger", "record_payload"]

@@ -43,8 +43,9 @@ with DAG("slurm_timeout", **COMMON):
                      command="echo starting; sleep 400")
 
 with DAG("slurm_chain", **COMMON):
-    first = SlurmJobOperator(task_id="first", ssh_conn_id=CONN, deferrable=True,
-                             command="sleep 3; echo first > first.txt")
+    # Submitted without waiting: Slurm itself must hold `second` until `first` is done.
+    first = SlurmJobOperator(task_id="first", ssh_conn_id=CONN, wait_for_completion=False,
+                             command="sleep 15; echo first > first.txt")
     second = SlurmJobOperator(
         task_id="second", ssh_conn_id=CONN,
         job={"dependency": "afterok:{{ ti.xcom_pull(task_ids='first')['job_id'] }}"},

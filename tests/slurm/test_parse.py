@@ -126,3 +126,16 @@ def test_job_key_is_deterministic_and_ignores_try_number() -> None:
     assert a.startswith("pp-train.segment_1-") and len(a.rsplit("-", 1)[1]) == 16
     weird = job_key("d", "r", "$(rm -rf /)\n;x", 0)
     assert weird.replace("-", "").replace("_", "").replace(".", "").isalnum()
+
+
+def test_settle_gate_waits_for_sacct_after_a_squeue_only_end() -> None:
+    from operators.slurm.states import SettleGate
+
+    gate = SettleGate(grace_s=30)
+    assert not gate.final(Outcome.ACTIVE, "sacct", 0)
+    assert gate.final(Outcome.SUCCESS, "sacct", 1)  # sacct's word is final at once
+    assert not gate.final(Outcome.SUCCESS, "squeue", 2)  # squeue's is provisional...
+    assert not gate.final(Outcome.SUCCESS, "squeue", 31)
+    assert gate.final(Outcome.SUCCESS, "squeue", 32)  # ...until the grace runs out
+    assert not gate.final(Outcome.ACTIVE, "squeue", 33)  # a requeue resets it
+    assert not gate.final(Outcome.FAILURE, "squeue", 34)

@@ -44,7 +44,8 @@ def airflow_env(home: Path, dags_folder: Path, port: int = 18080,
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
         "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "60",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-        "PYTHONPATH": str(REPO),
+        # standalone starts its components as `airflow ...` from PATH.
+        "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
     })
     env.update(extra or {})
     return env
@@ -150,12 +151,15 @@ class Standalone:
                      timeout, f"run {run_id} of {dag_id}")
 
     def task_instance(self, dag_id: str, run_id: str, task_id: str) -> dict:
-        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}")
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"
+                            f"{task_id}")
 
     def wait_task_state(self, dag_id: str, run_id: str, task_id: str, states: set[str],
                         timeout: float = 120) -> str:
-        return wait_for(lambda: (s := self.task_instance(dag_id, run_id, task_id)["state"]) in states
-                     and s, timeout, f"{task_id} to reach {states}")
+        def reached():
+            state = self.task_instance(dag_id, run_id, task_id)["state"]
+            return state if state in states else None
+        return wait_for(reached, timeout, f"{task_id} to reach {states}")
 
     def set_task_state(self, dag_id: str, run_id: str, task_id: str, state: str) -> Any:
         return self.request("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"
@@ -166,9 +170,12 @@ class Standalone:
                             f"{task_id}/xcomEntries/{key}?deserialize=true")["value"]
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
-        req = urllib.request.Request(
-            f"{self.base}/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/"
-            f"{try_number}?full_content=true", headers={"Accept": "text/plain"})
-        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback only
-            return resp.read().decode("utf-8", "replace")
+        """The task's log as text: one line per structured record's event."""
+        body = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"
+                            f"{task_id}/logs/{try_number}?full_content=true")
+        content = body.get("content", [])
+        if isinstance(content, str):
+            return content
+        return "\n".join(str(item.get("event", item)) if isinstance(item, dict) else str(item)
+                         for item in content)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,7 +39,8 @@ def connection() -> dict:
 def check_up() -> None:
     proc = subprocess.run(["bash", str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise ClusterNotUp(f"local cluster is not up (make cluster-up):\n{proc.stdout}{proc.stderr}")
+        raise ClusterNotUp(
+            f"local cluster is not up (make cluster-up):\n{proc.stdout}{proc.stderr}")
 
 
 def sacct_by_name(name: str) -> list[dict[str, str]]:
@@ -58,6 +60,12 @@ def sacct_job(job_id: str) -> dict[str, str]:
                          capture_output=True, text=True, check=True).stdout
     line = out.splitlines()[0]
     return dict(zip(("id", "name", "state", "exit"), line.split("|"), strict=True))
+
+
+def sacct_field(job_id: str, field: str) -> str:
+    return subprocess.run(["sacct", "--parsable2", "--noheader", "-X", f"--jobs={job_id}",
+                           f"--format={field}"], capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
@@ -80,10 +88,8 @@ def drop_sshd() -> None:
     children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     os.kill(pid, signal.SIGTERM)
     for child in children.split():
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(int(child), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def restart_cluster_services() -> None:

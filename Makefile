@@ -1,0 +1,36 @@
+# pretrain-pipeline: the commands the README names. Everything runs as root on Debian 12.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install cluster-up cluster-down cluster-status test lint bench demo demo-down
+
+install:
+	bash docker/bootstrap.sh
+
+cluster-up: install
+	bash docker/local_cluster.sh up
+
+cluster-down:
+	bash docker/local_cluster.sh down
+
+cluster-status:
+	bash docker/local_cluster.sh status
+
+# The test command of the README and of .ci/run.
+test: cluster-up
+	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint:
+	$(VENV)/bin/ruff check operators plugins jobscripts dags tests
+
+bench: cluster-up
+	$(PY) -m tests.bench.run_all
+
+demo: cluster-up
+	$(PY) -m operators.demo up
+
+demo-down:
+	-$(PY) -m operators.demo down
+	bash docker/local_cluster.sh down

@@ -1,0 +1,347 @@
+#!/usr/bin/env bash
+# A real single-node Slurm 22.05 cluster (munge, MariaDB, slurmdbd, slurmctld, slurmd) plus a
+# key-only sshd on 127.0.0.1, so the DAGs can be run against a real scheduler on one machine.
+#
+#   local_cluster.sh up | down | status | env | sync-env        (as root)
+#
+# No systemd and no cgroups: every daemon runs in the foreground in its own session and the PID we
+# started is recorded under $STATE/pids, so `down` stops exactly what `up` started and nothing else.
+set -euo pipefail
+
+STATE=${PP_CLUSTER_STATE:-/var/lib/pretrain-cluster}
+SSH_PORT=${PP_SSH_PORT:-2222}
+SSH_HOST=${PP_SSH_HOST:-127.0.0.1}      # the address Airflow dials (another one from a container)
+# shellcheck disable=SC2034  # SSH_LISTEN and MEM_MB are read by render through ${!name}
+SSH_LISTEN=${PP_SSH_LISTEN:-127.0.0.1}  # the container image sets 0.0.0.0 so a port can be published
+DB_PORT=${PP_DB_PORT:-3307}             # not 3306: a distro MariaDB on the same machine must not clash
+CLUSTER=pp-local
+CLUSTER_USER=pretrain
+USER_HOME=/home/$CLUSTER_USER
+REMOTE_WORK_DIR=$USER_HOME/pp-runs
+JOB_VENV=/opt/pretrain-pipeline/venv
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+NODE=$(hostname -s)
+DB_SOCKET=$STATE/mysqld/mysqld.sock
+HOST_KEY=$STATE/ssh/ssh_host_ed25519_key
+CLIENT_KEY=$STATE/id_ed25519
+# python3 is Debian's 3.11, the interpreter of the jobs' venv.
+PACKAGES=(slurm-wlm slurmdbd mariadb-server munge openssh-server python3)
+# Start order; `down` walks it backwards.
+DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd sshd)
+
+log() { printf '[local_cluster] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# --- daemon bookkeeping -------------------------------------------------------------------------
+
+# Prints the recorded PID if it is alive AND still runs the daemon's binary: a recycled PID that
+# now belongs to something else must never be reported as ours, let alone killed. (Debian's
+# /usr/sbin/slurm* are alternatives symlinks, hence readlink -f.)
+running_pid() {
+  local pid
+  pid=$(cat "$STATE/pids/$1.pid" 2>/dev/null) || return 1
+  [[ $(readlink "/proc/$pid/exe" 2>/dev/null) == "$(readlink -f "/usr/sbin/$1")" ]] || return 1
+  echo "$pid"
+}
+
+# setsid gives the daemon its own session (it outlives this shell and the caller's terminal);
+# as we are not a process-group leader it execs in place, so $! is the daemon's own PID.
+# Its stdout/stderr is its log: Slurm daemons under -D log to stderr (a LogFile too would
+# duplicate every line), and early fatal errors land there whatever the daemon.
+start_daemon() {
+  local name=$1 pid; shift
+  if pid=$(running_pid "$name"); then log "$name already running (pid $pid)"; return 0; fi
+  setsid "$@" >>"$STATE/log/$name.log" 2>&1 </dev/null 9>&- &  # 9: the lock, not theirs to hold
+  echo $! >"$STATE/pids/$name.pid"
+  log "$name started (pid $!)"
+}
+
+stop_daemon() {
+  local name=$1 pid
+  if ! pid=$(running_pid "$name"); then rm -f "$STATE/pids/$name.pid"; return 0; fi
+  kill -TERM "$pid" 2>/dev/null || true  # it may have exited since running_pid looked
+  for _ in $(seq 50); do running_pid "$name" >/dev/null || break; sleep 0.2; done
+  if running_pid "$name" >/dev/null; then log "$name ignored SIGTERM; killing"; kill -KILL "$pid"; fi
+  rm -f "$STATE/pids/$name.pid"
+  log "$name stopped (pid $pid)"
+}
+
+# Polls CHECK... until it succeeds; fails fast, with the log, if the daemon dies or time runs out.
+wait_for() {
+  local name=$1 timeout=$2 deadline=$((SECONDS + $2)); shift 2
+  until "$@" >/dev/null 2>&1; do
+    running_pid "$name" >/dev/null || fail_with_log "$name exited during start-up" "$name"
+    ((SECONDS < deadline)) || fail_with_log "$name not ready after ${timeout}s" "$name"
+    sleep 0.2
+  done
+}
+
+fail_with_log() {
+  tail -n 25 "$STATE/log/$2.log" >&2 || true
+  die "$1; full log: $STATE/log/$2.log"
+}
+
+# Writes stdin to PATH with MODE and OWNER, replacing the file only when the content differs so a
+# second `up` changes nothing; warns when the running DAEMON that reads it has not seen a change.
+# Runs at the end of a pipeline (a subshell), so it reports instead of recording.
+write_file() {
+  local path=$1 mode=$2 owner=$3 daemon=${4:-} tmp
+  tmp=$(mktemp "$path.XXXXXX")
+  cat >"$tmp"
+  [[ -s $tmp ]] || { rm -f "$tmp"; die "refusing to write an empty $path"; }
+  chmod "$mode" "$tmp"
+  chown "$owner" "$tmp"
+  if cmp -s "$tmp" "$path"; then rm -f "$tmp"; return 0; fi
+  mv -f "$tmp" "$path"
+  if [[ -n $daemon ]] && running_pid "$daemon" >/dev/null; then
+    log "WARNING: $path changed under the running $daemon: run 'down' then 'up' to apply it"
+  fi
+}
+
+# Prints a template from docker/slurm/ with each @NAME@ replaced by the shell variable NAME.
+render() {
+  local args=() v out
+  for v in CLUSTER NODE STATE MEM_MB DB_PORT DB_PASS SSH_LISTEN SSH_PORT HOST_KEY CLUSTER_USER; do
+    args+=(-e "s|@$v@|${!v}|g")
+  done
+  out=$(sed "${args[@]}" "$REPO_ROOT/docker/slurm/$1")
+  [[ ! $out =~ @[A-Z_]+@ ]] || die "unfilled placeholder ${BASH_REMATCH[0]} in $1"
+  printf '%s\n' "$out"
+}
+
+# --- machine setup ------------------------------------------------------------------------------
+
+ensure_packages() {
+  local missing=() p rc=0
+  command -v uv >/dev/null || PACKAGES+=(python3-pip)  # sync-env installs uv with it
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
+  done
+  ((${#missing[@]})) || return 0
+  log "installing ${missing[*]}"
+  # Keep maintainer scripts from starting the distro's own services: this script owns the daemons.
+  local policy=/usr/sbin/policy-rc.d ours=
+  [[ -e $policy ]] || { printf '#!/bin/sh\nexit 101\n' >"$policy"; chmod 755 "$policy"; ours=1; }
+  { apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  } || rc=$?
+  [[ -z $ours ]] || rm -f "$policy"
+  return "$rc"
+}
+
+prepare_dirs() {
+  install -d -m 755 "$STATE" "$STATE/pids" "$STATE/log" "$STATE/run" "$STATE/slurmd" /run/sshd
+  install -d -m 700 "$STATE/ssh"
+  install -d -o slurm -g slurm -m 700 "$STATE/slurmctld"
+  install -d -o mysql -g mysql -m 755 "$STATE/mysqld"
+  install -d -o munge -g munge -m 755 /run/munge
+}
+
+ensure_user() {
+  id -u "$CLUSTER_USER" >/dev/null 2>&1 || useradd -m -d "$USER_HOME" -s /bin/bash "$CLUSTER_USER"
+  # useradd leaves the account locked ('!'); with UsePAM no, sshd then refuses even key logins.
+  [[ $(getent shadow "$CLUSTER_USER" | cut -d: -f2) == '*' ]] || usermod -p '*' "$CLUSTER_USER"
+  # A home on a fresh container volume is root's; sbatch writes slurm-<id>.out into it.
+  install -d -o "$CLUSTER_USER" -g "$CLUSTER_USER" -m 755 "$USER_HOME"
+  install -d -o "$CLUSTER_USER" -g "$CLUSTER_USER" -m 700 "$USER_HOME/.ssh"
+  install -d -o "$CLUSTER_USER" -g "$CLUSTER_USER" -m 755 "$REMOTE_WORK_DIR"
+}
+
+# --- daemons, in start order --------------------------------------------------------------------
+
+start_munge() {
+  local key=/etc/munge/munge.key
+  if [[ ! -s $key ]]; then log "generating $key"; mungekey --create --keyfile="$key"; fi
+  chown munge: "$key"
+  chmod 400 "$key"
+  # setpriv execs (unlike runuser, which stays as a parent), so the recorded PID is munged's.
+  start_daemon munged setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged --foreground
+  wait_for munged 15 bash -c 'munge -n | unmunge'
+}
+
+start_mariadb() {
+  local datadir=$STATE/mysql
+  if [[ ! -d $datadir/mysql ]]; then
+    log "initialising MariaDB in $datadir"
+    mariadb-install-db --no-defaults --user=mysql --datadir="$datadir" --skip-test-db \
+      --auth-root-authentication-method=socket >>"$STATE/log/mariadbd.log" 2>&1 ||
+      fail_with_log "mariadb-install-db failed" mariadbd
+  fi
+  # --no-defaults: Debian's /etc/mysql config would point it at the system datadir and socket.
+  start_daemon mariadbd /usr/sbin/mariadbd --no-defaults --user=mysql --bind-address=127.0.0.1 \
+    --port="$DB_PORT" --datadir="$datadir" --socket="$DB_SOCKET" \
+    --pid-file="$STATE/mysqld/mariadbd.pid" --skip-name-resolve \
+    --innodb-lock-wait-timeout=900  # slurmdbd's advice; its buffer-pool advice (GBs) is not needed here
+  wait_for mariadbd 30 mariadb-admin --no-defaults --socket="$DB_SOCKET" ping
+  mariadb --no-defaults --socket="$DB_SOCKET" -u root <<SQL
+CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1';
+ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+SQL
+}
+
+write_slurm_configs() {
+  [[ -s $STATE/db.pass ]] || (umask 077 && od -An -N16 -tx1 /dev/urandom | tr -d ' \n' >"$STATE/db.pass")
+  DB_PASS=$(cat "$STATE/db.pass")
+  # shellcheck disable=SC2034
+  MEM_MB=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)
+  install -d -m 755 /etc/slurm
+  render slurmdbd.conf.in | write_file /etc/slurm/slurmdbd.conf 600 slurm: slurmdbd
+  render slurm.conf.in | write_file /etc/slurm/slurm.conf 644 root: slurmctld
+}
+
+# slurmctld must find its cluster in slurmdbd when it starts; the account gives jobs an association.
+register_cluster() {
+  wait_for slurmdbd 30 sacctmgr -n show cluster
+  sacctmgr -n -P show cluster format=cluster | grep -qx "$CLUSTER" || sacctmgr -i add cluster "$CLUSTER"
+  sacctmgr -n -P show account "$CLUSTER_USER" format=account | grep -q . ||
+    sacctmgr -i add account "$CLUSTER_USER" cluster="$CLUSTER" description=pipeline organization=local
+  sacctmgr -n -P show user "$CLUSTER_USER" format=user | grep -q . ||
+    sacctmgr -i add user "$CLUSTER_USER" account="$CLUSTER_USER" cluster="$CLUSTER"
+}
+
+ctld_up() { scontrol ping | grep -q 'is UP'; }
+
+# A node left DOWN or DRAINED by an unclean stop is resumed; ReturnToService covers most cases.
+node_ready() {
+  local state
+  state=$(sinfo -h -N -n "$NODE" -o %t)
+  [[ $state == *drain* || $state == down ]] && scontrol update nodename="$NODE" state=resume
+  [[ $state =~ ^(idle|mix|alloc|comp)$ ]]
+}
+
+start_sshd() {
+  [[ -s $HOST_KEY ]] || ssh-keygen -q -t ed25519 -N '' -C '' -f "$HOST_KEY"
+  [[ -s $CLIENT_KEY ]] || ssh-keygen -q -t ed25519 -N '' -C "airflow@$CLUSTER" -f "$CLIENT_KEY"
+  chmod 600 "$CLIENT_KEY"
+  # Our key replaces any earlier one of ours (a wiped state dir makes a new one); others stay.
+  local auth=$USER_HOME/.ssh/authorized_keys
+  { grep -v " airflow@$CLUSTER\$" "$auth" 2>/dev/null || true; cat "$CLIENT_KEY.pub"; } |
+    write_file "$auth" 600 "$CLUSTER_USER:"
+  render sshd_config.in | write_file "$STATE/ssh/sshd_config" 600 root: sshd
+  /usr/sbin/sshd -t -f "$STATE/ssh/sshd_config"
+  start_daemon sshd /usr/sbin/sshd -D -e -f "$STATE/ssh/sshd_config"
+  wait_for sshd 10 bash -c ": </dev/tcp/${SSH_LISTEN/0.0.0.0/127.0.0.1}/$SSH_PORT"
+}
+
+# Host key checking stays on: the connection pins this sshd's own host key.
+write_airflow_env() {
+  local host_key json
+  host_key=$(cut -d' ' -f1,2 "$HOST_KEY.pub")
+  echo "[$SSH_HOST]:$SSH_PORT $host_key" | write_file "$STATE/known_hosts" 644 root:
+  json=$(printf '{"conn_type":"ssh","host":"%s","port":%s,"login":"%s","extra":{"key_file":"%s","host_key":"%s","no_host_key_check":false,"remote_work_dir":"%s","remote_python":"%s","keepalive_interval":15}}' \
+    "$SSH_HOST" "$SSH_PORT" "$CLUSTER_USER" "$CLIENT_KEY" "$host_key" "$REMOTE_WORK_DIR" "$JOB_VENV/bin/python")
+  echo "export AIRFLOW_CONN_SLURM_LOCAL='$json'" | write_file "$STATE/airflow.env" 644 root:
+}
+
+# --- the jobs' Python environment ---------------------------------------------------------------
+
+# /root is mode 700, so jobs (run as $CLUSTER_USER) need their own venv on Debian's python3.11.
+cmd_sync_env() {
+  command -v uv >/dev/null || /usr/bin/python3 -m pip install --quiet --break-system-packages uv
+  local py=$JOB_VENV/bin/python lock=$REPO_ROOT/requirements.lock sum links=()
+  [[ -d /opt/wheels ]] && links=(--find-links /opt/wheels)  # local CPU torch wheel, when present
+  [[ -x $py ]] || uv venv --quiet --python /usr/bin/python3.11 "$JOB_VENV"
+  sum=$(sha256sum "$lock" | cut -d' ' -f1)
+  if [[ $(cat "$JOB_VENV/.lock.sha256" 2>/dev/null) != "$sum" ]]; then
+    log "installing requirements.lock into $JOB_VENV"
+    uv pip install --quiet --python "$py" "${links[@]}" -r "$lock"
+    echo "$sum" >"$JOB_VENV/.lock.sha256"
+  fi
+  install_project "$py"
+}
+
+# Built from a scratch copy: setuptools writes build/ and *.egg-info next to the sources, and the
+# package dirs may not all exist yet (others are writing them); placeholders never enter the repo.
+install_project() {
+  local scratch d
+  scratch=$(mktemp -d)
+  cp "$REPO_ROOT/pyproject.toml" "$scratch/"
+  if [[ -f $REPO_ROOT/README.md ]]; then cp "$REPO_ROOT/README.md" "$scratch/"
+  else log "WARNING: README.md missing; building with an empty one"; : >"$scratch/README.md"; fi
+  for d in operators plugins jobscripts; do
+    if [[ -d $REPO_ROOT/$d ]]; then
+      tar -C "$REPO_ROOT" --exclude=__pycache__ -cf - "$d" | tar -C "$scratch" -xf -
+    else
+      log "WARNING: $d/ missing; installing without it"
+      mkdir "$scratch/$d"
+    fi
+  done
+  # --no-build-isolation: the lock's setuptools builds it, so no index is needed (offline starts).
+  uv pip install --quiet --python "$1" --no-deps --no-build-isolation \
+    --reinstall-package pretrain-pipeline "$scratch" ||
+    { rm -rf "$scratch"; die "installing the project into $JOB_VENV failed"; }
+  rm -rf "$scratch"
+  log "pretrain-pipeline installed into $JOB_VENV"
+}
+
+# --- subcommands --------------------------------------------------------------------------------
+
+cmd_up() {
+  local t0=$SECONDS
+  ensure_packages
+  prepare_dirs
+  ensure_user
+  start_munge
+  write_slurm_configs
+  start_mariadb
+  start_daemon slurmdbd /usr/sbin/slurmdbd -D
+  register_cluster
+  start_daemon slurmctld /usr/sbin/slurmctld -D
+  wait_for slurmctld 30 ctld_up
+  start_daemon slurmd /usr/sbin/slurmd -D
+  wait_for slurmd 60 node_ready
+  start_sshd
+  write_airflow_env
+  log "cluster $CLUSTER up in $((SECONDS - t0))s (node $NODE, ssh $CLUSTER_USER@$SSH_HOST:$SSH_PORT)"
+  cmd_sync_env
+  log "done in $((SECONDS - t0))s; connection: $STATE/airflow.env"
+}
+
+# Jobs are cancelled through Slurm first: their processes belong to slurmstepd, not to us, and
+# would otherwise outlive slurmd. Accounting keeps them (CANCELLED).
+cmd_down() {
+  local i
+  if running_pid slurmctld >/dev/null && [[ -n $(squeue -h -o %A) ]]; then
+    log "cancelling running jobs"
+    squeue -h -o %A | xargs -r scancel || true
+    for _ in $(seq 40); do [[ -z $(squeue -h -o %A) ]] && break; sleep 1; done
+  fi
+  for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do stop_daemon "${DAEMONS[i]}"; done
+}
+
+cmd_status() {
+  local name pid rc=0
+  for name in "${DAEMONS[@]}"; do
+    if pid=$(running_pid "$name"); then printf '%-10s running (pid %s)\n' "$name" "$pid"
+    else printf '%-10s DOWN\n' "$name"; rc=1; fi
+  done
+  running_pid slurmctld >/dev/null && sinfo
+  return "$rc"
+}
+
+cmd_env() {
+  [[ -f $STATE/airflow.env ]] || die "$STATE/airflow.env not found; run '$0 up' first"
+  cat "$STATE/airflow.env"
+}
+
+main() {
+  [[ ${1:-} == env || $(id -u) == 0 ]] || die "run as root (it starts daemons, creates a user)"
+  if [[ ${1:-} =~ ^(up|down|sync-env)$ ]]; then
+    # Several test sessions may call `up` at once: one at a time, or both would start daemons.
+    install -d -m 755 "$STATE"
+    exec 9>"$STATE/lock"
+    flock -w 600 9 || die "another local_cluster.sh holds $STATE/lock"
+  fi
+  case ${1:-} in
+    up) cmd_up ;;
+    down) cmd_down ;;
+    status) cmd_status ;;
+    env) cmd_env ;;
+    sync-env) cmd_sync_env ;;
+    *) echo "usage: $0 up|down|status|env|sync-env" >&2; exit 2 ;;
+  esac
+}
+
+main "$@"

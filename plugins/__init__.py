@@ -1,0 +1,1 @@
+"""Airflow plugin of pretrain-pipeline (registered through the ``airflow.plugins`` entry point)."""

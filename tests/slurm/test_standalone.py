@@ -1,0 +1,115 @@
+"""The Slurm layer under a real ``airflow standalone``: scheduler, triggerer, REST API.
+
+Runs are triggered through the REST API as the UI does. Slow jobs are started
+together up front so that their waits overlap.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+import pytest
+
+from tests.support import cluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.airflow]
+
+
+def job_of(af, dag_id: str, run_id: str, task_id: str) -> dict:
+    return af.xcom(dag_id, run_id, task_id, key="slurm_job")
+
+
+def test_success_chain_array_timeout_and_failure(standalone) -> None:
+    af = standalone
+    runs = {dag: af.trigger(dag) for dag in
+            ("slurm_timeout", "slurm_success", "slurm_chain", "slurm_array", "slurm_fail")}
+
+    assert af.wait_run("slurm_success", runs["slurm_success"]) == "success"
+    result = af.xcom("slurm_success", runs["slurm_success"], "hello")
+    assert result["result"] == {"answer": 42}
+    assert result["record"]["state"] == "COMPLETED" and result["record"]["exit_code"] == 0
+    log = af.task_log("slurm_success", runs["slurm_success"], "hello")
+    assert "hello from" in log and "line two" in log  # streamed by the real triggerer
+
+    assert af.wait_run("slurm_chain", runs["slurm_chain"]) == "success"
+    first = af.xcom("slurm_chain", runs["slurm_chain"], "first")
+    second = af.xcom("slurm_chain", runs["slurm_chain"], "second")["record"]
+    assert first["state"] in ("PENDING", "RUNNING")  # returned at submission
+    first_end = cluster.sacct_field(first["job_id"], "End")
+    # Slurm held the second job until the first completed (afterok).
+    assert datetime.fromisoformat(second["start"]) >= datetime.fromisoformat(first_end)
+    assert af.task_instance("slurm_chain", runs["slurm_chain"], "wait_first")["state"] == "success"
+
+    assert af.wait_run("slurm_array", runs["slurm_array"]) == "success"
+    array = af.xcom("slurm_array", runs["slurm_array"], "fanout")
+    files = cluster.remote(f"cat {array['run_dir']}/task-*.txt").split("\n")
+    assert [f for f in files if f] == ["task 0", "task 1", "task 2"]
+
+    assert af.wait_run("slurm_fail", runs["slurm_fail"]) == "failed"
+    log = af.task_log("slurm_fail", runs["slurm_fail"], "boom")
+    assert "exit code 3" in log and "the reason: disk on fire" in log
+
+    assert af.wait_run("slurm_timeout", runs["slurm_timeout"], timeout=240) == "failed"
+    job = job_of(af, "slurm_timeout", runs["slurm_timeout"], "overrun")
+    assert cluster.sacct_job(job["job_id"])["state"] == "TIMEOUT"
+    log = af.task_log("slurm_timeout", runs["slurm_timeout"], "overrun")
+    assert "ended TIMEOUT" in log and "classified time_limit" in log
+
+
+def _running_jobs(af, run_id: str) -> dict[str, str]:
+    """Wait until both slurm_long tasks hold a RUNNING job; task id -> job id."""
+    def ready():
+        jobs = {}
+        for task in ("long_deferred", "long_in_worker"):
+            try:
+                jobs[task] = job_of(af, "slurm_long", run_id, task)["job_id"]
+            except Exception:  # noqa: BLE001 - XCom not there yet
+                return None
+        if all(cluster.sacct_job(j)["state"] == "RUNNING" for j in jobs.values()):
+            return jobs
+        return None
+    jobs = cluster.wait_for(ready, 120, "both slurm_long jobs to run")
+    af.wait_task_state("slurm_long", run_id, "long_deferred", {"deferred"})
+    af.wait_task_state("slurm_long", run_id, "long_in_worker", {"running"})
+    return jobs
+
+
+def test_marking_tasks_failed_cancels_their_jobs(standalone) -> None:
+    af = standalone
+    run_id = af.trigger("slurm_long", {"sleep": 600})
+    jobs = _running_jobs(af, run_id)
+    for task in jobs:
+        af.set_task_state("slurm_long", run_id, task, "failed")
+    for task, job_id in jobs.items():
+        state = cluster.wait_for(
+            lambda j=job_id: (s := cluster.sacct_job(j)["state"]).startswith("CANCELLED") and s,
+            90, f"{task}'s job {job_id} to be cancelled")
+        assert state.startswith("CANCELLED"), task
+
+
+def test_sshd_restart_during_polling_loses_nothing_and_duplicates_nothing(standalone) -> None:
+    af = standalone
+    run_id = af.trigger("slurm_long", {"sleep": 45})
+    jobs = _running_jobs(af, run_id)
+    cluster.drop_sshd()
+    time.sleep(12)  # both the trigger and the worker poll into a dead sshd meanwhile
+    cluster.restart_cluster_services()
+    assert af.wait_run("slurm_long", run_id, timeout=240) == "success"
+    for job_id in jobs.values():
+        name = cluster.sacct_job(job_id)["name"]
+        assert [r["id"] for r in cluster.sacct_by_name(name)] == [job_id]
+
+
+def test_retry_of_a_task_whose_job_still_runs_reattaches(standalone) -> None:
+    af = standalone
+    run_id = af.trigger("slurm_retry_reattach")
+    assert af.wait_run("slurm_retry_reattach", run_id, timeout=240) == "success"
+    ti = af.task_instance("slurm_retry_reattach", run_id, "crashy")
+    assert ti["try_number"] == 2
+    out = af.xcom("slurm_retry_reattach", run_id, "crashy")
+    assert out["result"] == {"answer": 42}
+    rows = cluster.sacct_by_name(cluster.sacct_job(out["job_id"])["name"])
+    assert [r["id"] for r in rows] == [out["job_id"]]  # one job for the key, not two
+    log = af.task_log("slurm_retry_reattach", run_id, "crashy", try_number=2)
+    assert f"re-attaching to Slurm job {out['job_id']}" in log

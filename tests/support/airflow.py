@@ -35,8 +35,8 @@ def airflow_env(home: Path, dags_folder: Path, port: int = 18080,
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__CORE__PARALLELISM": "32",
-        "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "32",
+        "AIRFLOW__CORE__PARALLELISM": "8",  # LocalExecutor forks this many workers
+        "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "32",  # deferred tasks hold no worker
         "AIRFLOW__API__PORT": str(port),
         "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
@@ -49,6 +49,24 @@ def airflow_env(home: Path, dags_folder: Path, port: int = 18080,
     })
     env.update(extra or {})
     return env
+
+
+def _log_line(item: Any) -> str:
+    """A structured log record as text, with its exception's message when it has one."""
+    if not isinstance(item, dict):
+        return str(item)
+    line = str(item.get("event", ""))
+    for exc in item.get("error_detail") or []:
+        line += f"\n{exc.get('exc_type')}: {exc.get('exc_value')}"
+    return line
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def dags_test(env: dict[str, str], dag_id: str, conf: dict | None = None,
@@ -95,19 +113,23 @@ class Standalone:
         raise TimeoutError(f"airflow standalone not healthy in {timeout}s; see {self.log_path}")
 
     def stop(self) -> None:
-        """SIGINT to the group (standalone's clean stop), then SIGTERM, then SIGKILL."""
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGINT to the group (standalone's clean stop), then SIGTERM, then SIGKILL.
+
+        The whole group, not only the leader: executor workers outlive a leader that
+        exits on SIGINT.
+        """
+        if self.proc is None:
             return
-        for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        group = self.proc.pid
+        for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(group, sig)
             except ProcessLookupError:
                 break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(group):
+                time.sleep(0.5)
+        self.proc.wait(5)
         self._log.close()
 
     def kill_component(self, name: str, sig: int = signal.SIGKILL) -> list[int]:
@@ -176,6 +198,5 @@ class Standalone:
         content = body.get("content", [])
         if isinstance(content, str):
             return content
-        return "\n".join(str(item.get("event", item)) if isinstance(item, dict) else str(item)
-                         for item in content)
+        return "\n".join(_log_line(item) for item in content)
 

@@ -1,0 +1,142 @@
+"""Campaign YAML -> Airflow DAG ``pretrain__<name>``.
+
+    data.check -> [data.demo_corpus] -> data.ingest -> data.raw_gate -> data.tokenizer
+      -> data.tokenize -> data.token_gate -> train.segment_1 -> ... -> train.segment_N
+      -> export -> evaluate -> register
+
+Nothing here touches the cluster or imports anything heavy: the dag-processor
+parses this every few seconds. The number of segment tasks is the campaign's
+``segments.max_per_run``; the ones after the campaign is done skip.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from airflow.sdk import DAG, Asset, Param, TaskGroup, chain, task
+
+from operators.campaign import stages
+from operators.campaign.layout import RESULT_FILE, Layout
+from operators.campaign.paths import RunPaths
+from operators.campaign.segment import TrainingSegmentOperator
+from operators.campaign.summary import summary
+from operators.slurm.operator import SlurmJobOperator
+
+DAG_PREFIX = "pretrain__"
+START = datetime(2026, 1, 1)
+TRIGGER_RULE_AFTER_DATA = "none_failed"  # run when the data stage ran or was skipped
+
+
+def dag_id(campaign) -> str:
+    return f"{DAG_PREFIX}{campaign.name}"
+
+
+def manifest_asset(campaign, layout: Layout) -> Asset:
+    """The tokenized dataset, as an Asset other campaigns can be scheduled on."""
+    host = campaign.cluster.ssh_conn_id.replace("_", "-")
+    return Asset(uri=f"file://{host}{layout.manifest}", name=f"{campaign.name}-dataset")
+
+
+def _retry_args(retry) -> dict:
+    return {"retries": retry.retries, "retry_delay": timedelta(seconds=retry.retry_delay),
+            "retry_exponential_backoff": retry.exponential_backoff}
+
+
+def _params(campaign) -> dict:
+    t, s = campaign.training, campaign.segments
+    return {
+        "train_iters": Param(t.train_iters, type="integer", minimum=1,
+                             description="Iterations the campaign trains to in total."),
+        "segments_per_run": Param(s.max_per_run, type="integer", minimum=1,
+                                  maximum=s.max_per_run,
+                                  description="Segment jobs this run may submit."),
+        "skip_data_stage": Param(True, type="boolean",
+                                 description="Skip ingest/gates/tokenization when the "
+                                             "dataset manifest already exists."),
+        "dry_run": Param(False, type="boolean",
+                         description="Render and upload configs and scripts only."),
+    }
+
+
+def _check_data_task(campaign, layout: Layout):
+    @task(task_id="check")
+    def check(params=None, ti=None) -> dict:
+        """Skips the data stage when its manifest exists (and the user allows it)."""
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from operators.campaign.remote import read_text
+        from operators.slurm.hook import SlurmHook
+
+        hook = SlurmHook(campaign.cluster.ssh_conn_id)
+        exists = read_text(hook, layout.manifest) is not None
+        if exists and params["skip_data_stage"]:
+            raise AirflowSkipException(f"dataset manifest exists: {layout.manifest}")
+        return {"manifest_exists": exists}
+
+    return check()
+
+
+def _data_stage(campaign, layout: Layout, retry: dict):
+    with TaskGroup("data") as group:
+        def job(task_id: str, kwargs: dict, **extra) -> SlurmJobOperator:
+            return SlurmJobOperator(task_id=task_id, ssh_conn_id=campaign.cluster.ssh_conn_id,
+                                    **kwargs, **retry, **extra)
+
+        steps = [_check_data_task(campaign, layout)]
+        if campaign.data.source == "demo":
+            steps.append(job("demo_corpus", stages.demo_corpus(campaign, layout)))
+        steps.append(job("ingest", stages.ingest(campaign, layout)))
+        steps.append(job("raw_gate", stages.raw_gate(campaign, layout)))
+        steps.append(job("tokenizer", stages.tokenizer(campaign, layout)))
+        steps.append(job("tokenize", stages.tokenize(campaign, layout)))
+        # Double quotes inside: the command is shell-quoted with single quotes.
+        ingest_result = posixpath.join(
+            '{{ ti.xcom_pull(task_ids="data.ingest")["run_dir"] }}', RESULT_FILE)
+        steps.append(job("token_gate", stages.token_gate(campaign, layout, ingest_result),
+                         outlets=[manifest_asset(campaign, layout)]))
+        chain(*steps)
+    return group
+
+
+def build_dag(campaign, source: Path | None = None) -> DAG:
+    layout = Layout(RunPaths.for_campaign(campaign))
+    r = campaign.retries
+    doc = summary(campaign) + (f"\n\nDefined in `{source.name}`." if source else "")
+    with DAG(
+        dag_id=dag_id(campaign), schedule=campaign.schedule, start_date=START, catchup=False,
+        max_active_runs=1, params=_params(campaign), doc_md=doc,
+        tags=["pretrain", "reference" if campaign.model.reference else "bridge"],
+        description=campaign.description or None,
+    ) as dag:
+        data = _data_stage(campaign, layout, _retry_args(r.data)) if campaign.data.source \
+            else None
+        with TaskGroup("train") as train:
+            segments = [
+                TrainingSegmentOperator(task_id=f"segment_{i}", campaign=campaign, segment=i,
+                                        trigger_rule=TRIGGER_RULE_AFTER_DATA,
+                                        **_retry_args(r.train))
+                for i in range(1, campaign.segments.max_per_run + 1)
+            ]
+            chain(*segments)
+        if data is not None:
+            data >> train
+    return dag
+
+
+def build_all(campaign_dir: Path, namespace: dict) -> list[DAG]:
+    """One DAG per YAML in ``campaign_dir``, put in ``namespace`` (a DAG file's globals).
+
+    A YAML that does not validate raises, naming its file and field: the DAG file
+    then shows as an import error in the UI, which is where users look.
+    """
+    from operators.campaign.load import load_campaign
+
+    dags = []
+    for path in sorted(campaign_dir.glob("*.y*ml")):
+        campaign = load_campaign(path)
+        dag = build_dag(campaign, path)
+        namespace[dag.dag_id] = dag
+        dags.append(dag)
+    return dags

@@ -1,0 +1,181 @@
+"""Campaign YAML -> :class:`Campaign`, every problem reported as one error naming the file.
+
+A DAG file calls :func:`load_campaign` at parse time, so an error here is what a user sees
+in the Airflow UI's import errors: it names the file, each field's dotted path and, where
+the YAML tells us, the line, and suggests the key that was probably meant.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from typing import Any, NamedTuple
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from operators.campaign.config import Campaign
+
+
+class Problem(NamedTuple):
+    field: str  # dotted path such as training.lr_warmup_iters; "" for the whole file
+    message: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = self.field + (f" (line {self.line})" if self.line and self.field else "")
+        where = where or (f"line {self.line}" if self.line else "")
+        return f"{where}: {self.message}" if where else self.message
+
+
+class CampaignConfigError(ValueError):
+    """A campaign file that cannot be used: every problem in it, in one message."""
+
+    def __init__(self, path: str, problems: list[Problem]) -> None:
+        self.path = path
+        self.problems = problems
+        lines = [f"{path}: {p}" for p in problems]
+        super().__init__(lines[0] if len(lines) == 1
+                         else "invalid campaign config\n" + "\n".join(lines))
+
+    @property
+    def fields(self) -> list[str]:
+        return [p.field for p in self.problems]
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """SafeLoader (libyaml's when present: DAG files load campaigns at every parse) that
+    refuses duplicate keys (PyYAML keeps the last one silently) and reads ``1e-4`` as a
+    number (YAML 1.1 wants ``1.0e-4``; learning rates are written the short way)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key]})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _line(root: yaml.Node | None, loc: tuple) -> int | None:
+    """The 1-based line of the YAML node at ``loc`` (of its key, for mapping entries)."""
+    node, line = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if key_node.value == str(part):
+                    node, line = value_node, key_node.start_mark.line + 1
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
+                and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):  # X | None, list[X]
+        found = _submodel(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The schema section that holds the last part of ``loc``, for key suggestions."""
+    model: type[BaseModel] | None = Campaign
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if model else None
+        model = _submodel(field.annotation) if field else None
+    return model
+
+
+def _message(error: dict) -> str:
+    loc = tuple(p for p in error["loc"] if p != "[key]")
+    if error["type"] == "extra_forbidden":
+        model = _model_at(loc)
+        known = list(model.model_fields) if model else []
+        near = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        return f"unknown key{hint} (allowed: {', '.join(known)})" if known else "unknown key"
+    if error["type"] == "missing":
+        return "required key is missing"
+    return error["msg"].removeprefix("Value error, ")
+
+
+def _expanded(errors: list[dict]):
+    """Cross-field errors carry (path, message) pairs: one error each, at its own path."""
+    for error in errors:
+        if error["type"] != "cross_field":
+            yield error
+            continue
+        for path, message in error["ctx"]["problems"]:
+            yield {"type": "cross_field", "loc": tuple(path.split(".")), "msg": message}
+
+
+def campaign_from_dict(raw: Any, path: str = "<campaign>", root: yaml.Node | None = None):
+    """Validate an already-parsed document; raises :class:`CampaignConfigError`."""
+    if not isinstance(raw, dict):
+        raise CampaignConfigError(path, [Problem("", "the document must be a mapping of sections")])
+    try:
+        return Campaign.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for error in _expanded(exc.errors()):
+            loc = tuple(error["loc"])
+            field = _dotted(tuple(p for p in loc if p != "[key]"))
+            problems.append(Problem(field, _message(error), _line(root, loc)))
+        raise CampaignConfigError(path, problems) from None
+
+
+def load_campaign(path: str | os.PathLike[str]) -> Campaign:
+    """Read and validate one campaign file."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise CampaignConfigError(path, [Problem("", f"cannot read: {exc.strerror or exc}")]) \
+            from None
+    try:
+        loader = _Loader(text)
+        try:  # one parse: the node tree gives error lines, the document the values
+            root = loader.get_single_node()
+            raw = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        what = " ".join(p for p in (exc.context, exc.problem) if p)
+        if mark:
+            what += f" (column {mark.column + 1})"
+        raise CampaignConfigError(path, [Problem("", f"YAML syntax error: {what}",
+                                                 mark.line + 1 if mark else None)]) from None
+    except yaml.YAMLError as exc:
+        raise CampaignConfigError(path, [Problem("", f"YAML error: {exc}")]) from None
+    return campaign_from_dict(raw, path, root)

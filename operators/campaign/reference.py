@@ -1,0 +1,63 @@
+"""The CPU reference path's training segment: the trainer's run config and its job. Pure.
+
+The same contracts as the Bridge path (``segment.json``, the checkpoint tracker,
+Megatron log lines); ``train_iters`` is the campaign's, fixed, because it sizes
+the dataset and the schedule. A segment is cut by ``exit_duration_in_mins``
+(and ``exit_interval`` when ``segments.iters_per_segment`` is set), with
+``--signal`` as a backup.
+"""
+
+from __future__ import annotations
+
+import json
+
+from operators.campaign.layout import Layout
+from operators.campaign.plan import segment_exit_minutes, signal_lead_seconds
+from operators.campaign.stages import stage_job
+from operators.slurm.operator import python_module_command
+
+CONFIG_FILE = "run.json"
+SEGMENT_RESULT = "segment.json"
+
+
+def run_config(campaign, layout: Layout, data_path: list[str], exit_minutes: float,
+               train_iters: int | None = None) -> dict:
+    """The reference trainer's config (``jobscripts/trainer_config.py`` keys)."""
+    m, t = campaign.model.reference, campaign.training
+    v, ck = campaign.validation, campaign.checkpoint
+    return {
+        "data_path": data_path, "split": campaign.data.split,
+        "data_cache_path": layout.paths.data_cache_dir, "tokenizer_model": layout.tokenizer,
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+        "ffn_hidden_size": m.ffn_hidden_size, "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_key_value_heads, "seq_length": t.seq_length,
+        "train_iters": train_iters or t.train_iters,
+        "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
+        "lr": t.lr, "min_lr": t.min_lr, "lr_warmup_iters": t.lr_warmup_iters,
+        "lr_decay_iters": t.lr_decay_iters, "lr_decay_style": t.lr_decay_style,
+        "weight_decay": t.weight_decay, "clip_grad": t.clip_grad, "seed": t.seed,
+        "eval_interval": v.eval_interval, "eval_iters": v.eval_iters,
+        "log_interval": campaign.logging.log_interval,
+        "save": layout.checkpoints, "save_interval": ck.save_interval,
+        "keep_last": ck.keep_last, "keep_every": ck.keep_every,
+        "exit_duration_in_mins": exit_minutes,
+        "exit_interval": campaign.segments.iters_per_segment,
+        "segment_result": SEGMENT_RESULT,
+    }
+
+
+def reference_segment(campaign, layout: Layout, data_path: list[str], earlier_results=(),
+                      train_iters: int | None = None) -> dict:
+    """Keyword arguments for one segment's ``SlurmJobOperator``."""
+    minutes = segment_exit_minutes(campaign, earlier_results)
+    config = run_config(campaign, layout, data_path, minutes, train_iters)
+    job = stage_job(campaign)
+    job["signal"] = f"B:TERM@{signal_lead_seconds(campaign.segments.margin_min)}"
+    return {
+        # exec: the trainer becomes the batch shell, so --signal=B:TERM reaches it.
+        "command": "exec " + python_module_command("jobscripts.reference_trainer", "--config",
+                                                   CONFIG_FILE),
+        "job": job, "environment": dict(campaign.cluster.environment),
+        "files": {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)},
+        "result_file": SEGMENT_RESULT,
+    }

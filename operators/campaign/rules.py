@@ -1,0 +1,98 @@
+"""Rules that need more than one field of a campaign, and the recipe facts they use.
+
+Each rule returns messages that start with the dotted path of the field a user should
+change. Duck-typed over the :class:`~operators.campaign.config.Campaign` model so that this
+module imports nothing from the schema (which calls it from its validator).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class RecipeInfo(NamedTuple):
+    params: float  # parameter count, for the summary's tokens-per-parameter
+    max_seq_length: int  # the positions the model's RoPE setup is made for
+
+
+# Bridge recipes whose sizes we know; any other recipe name is allowed, just not summarised.
+KNOWN_RECIPES = {
+    "llama32_1b": RecipeInfo(1.24e9, 131072),
+    "llama32_3b": RecipeInfo(3.21e9, 131072),
+    "llama3_8b": RecipeInfo(8.03e9, 8192),
+    "llama31_8b": RecipeInfo(8.03e9, 131072),
+    "llama3_70b": RecipeInfo(70.6e9, 8192),
+    "llama31_70b": RecipeInfo(70.6e9, 131072),
+    "llama31_405b": RecipeInfo(405.9e9, 131072),
+}
+
+
+Problem = tuple[str, str]  # (dotted field path, message)
+
+
+def cross_field_problems(c) -> list[Problem]:
+    return [*_parallelism(c), *_schedule(c), *_paths(c), *_segments(c)]
+
+
+def _parallelism(c):
+    t = c.training
+    known = KNOWN_RECIPES.get(c.model.recipe or "")
+    if known and t.seq_length > known.max_seq_length:
+        yield "training.seq_length", (f"{t.seq_length} exceeds {c.model.recipe}'s "
+                                      f"{known.max_seq_length}")
+    if c.model.recipe is not None and c.cluster.gpus_per_node < 1:
+        yield "cluster.gpus_per_node", "a Bridge recipe trains on GPUs (at least 1)"
+    if c.model.reference is not None and t.model_parallel_size != 1:
+        yield "training.tensor_parallel_size", ("the reference trainer runs unsplit: tensor, "
+                                                "pipeline and context parallel sizes must be 1")
+        return
+    world, mp = c.world_size, t.model_parallel_size
+    if world < 1 or world % mp:
+        yield "training.tensor_parallel_size", (f"TP x PP x CP = {mp} must divide the world "
+                                                f"size (nodes x gpus_per_node = {world})")
+        return
+    per_step = t.micro_batch_size * (world // mp)
+    if t.global_batch_size % per_step:
+        yield "training.global_batch_size", (
+            f"{t.global_batch_size} is not a multiple of micro_batch_size x data-parallel size "
+            f"= {t.micro_batch_size} x {world // mp} = {per_step}")
+
+
+def _schedule(c):
+    t = c.training
+    if t.min_lr > t.lr:
+        yield "training.min_lr", f"{t.min_lr} exceeds lr {t.lr}"
+    if t.lr_warmup_iters >= t.train_iters:
+        yield "training.lr_warmup_iters", (f"{t.lr_warmup_iters} must be below train_iters "
+                                           f"{t.train_iters}")
+    if t.lr_decay_iters is not None and t.lr_decay_iters <= t.lr_warmup_iters:
+        yield "training.lr_decay_iters", "must exceed lr_warmup_iters"
+    if (t.lr_decay_style == "WSD") != (t.lr_wsd_decay_iters is not None):
+        yield "training.lr_wsd_decay_iters", "set it exactly when lr_decay_style is WSD"
+    if c.model.reference is None:
+        return
+    if t.lr_decay_style == "WSD":
+        yield "training.lr_decay_style", "the reference trainer supports cosine, linear, constant"
+    if t.precision == "fp8":
+        yield "training.precision", ("fp8 needs GPUs (a Bridge recipe); the reference trainer "
+                                     "runs in fp32 on CPU")
+    if t.recompute != "none":
+        yield "training.recompute", "the reference trainer does not recompute"
+
+
+def _paths(c):
+    if c.model.recipe is not None and c.cluster.container is None:
+        yield "cluster.container", "a Bridge recipe runs inside the NeMo container: set it"
+    if c.checkpoint.dir is None and c.cluster.remote_root is None:
+        yield "cluster.remote_root", "needed unless checkpoint.dir is set"
+    k = c.checkpoint
+    if k.keep_every is not None and k.keep_every % k.save_interval:
+        yield "checkpoint.keep_every", (f"{k.keep_every} is not a multiple of save_interval "
+                                        f"{k.save_interval}, so few saves would land on it")
+
+
+def _segments(c):
+    s, limit = c.segments, c.cluster.time_limit_minutes
+    if limit - s.startup_estimate_min - s.save_estimate_s / 60 - s.margin_min < 1:
+        yield "cluster.time_limit", (f"{limit} min leaves no training time after "
+                                     "segments.startup_estimate_min + save_estimate_s + margin_min")

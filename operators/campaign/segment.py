@@ -1,0 +1,122 @@
+"""``TrainingSegmentOperator``: one training segment of a campaign, as one Slurm job.
+
+Before submitting it reads the checkpoint tracker (a campaign already done
+skips), pins the dataset manifest at the first segment and refuses a changed one,
+and renders the run config for the reference trainer or Megatron Bridge. After
+the job it reads ``segment.json`` and fails loudly when the iteration did not
+advance: a segment that makes no progress must never loop.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowSkipException
+
+from operators.campaign.layout import Layout
+from operators.campaign.paths import RunPaths
+from operators.campaign.plan import check_progress
+from operators.campaign.remote import (
+    append_history,
+    read_history,
+    read_iteration,
+    read_text,
+    write_file,
+)
+from operators.slurm.operator import SlurmJobOperator
+from operators.slurm.states import Outcome
+
+XCOM_START = "segment_start_iteration"
+
+
+def pin_manifest(hook, layout: Layout) -> dict | None:
+    """Pin the dataset at the first segment; later segments refuse a different one."""
+    from jobscripts import manifest as manifests
+
+    current_text = read_text(hook, layout.manifest)
+    if current_text is None:
+        return None  # the campaign names its prefixes itself: nothing to pin
+    current = json.loads(current_text)
+    pinned_text = read_text(hook, layout.pinned_manifest)
+    if pinned_text is None:
+        write_file(hook, layout.pinned_manifest, current_text)
+        return current
+    manifests.assert_same(json.loads(pinned_text), current, where=layout.manifest)
+    return current
+
+
+class TrainingSegmentOperator(SlurmJobOperator):
+    """Segment ``segment`` of a DAG run: resume from the last checkpoint, train, save."""
+
+    def __init__(self, *, campaign, segment: int, **kwargs: Any) -> None:
+        super().__init__(
+            ssh_conn_id=campaign.cluster.ssh_conn_id, command="true", segment=segment,
+            # A job that hit its time limit after saving made progress: that is success.
+            success_outcomes=(Outcome.SUCCESS.value, Outcome.TIME_LIMIT.value),
+            result_file="segment.json", **kwargs)
+        self.campaign = campaign
+
+    def _layout(self) -> Layout:
+        return Layout(RunPaths.for_campaign(self.campaign))
+
+    def _data_path(self, layout: Layout, manifest: dict | None) -> list[str]:
+        from jobscripts import manifest as manifests
+
+        data = self.campaign.data
+        if manifest is not None:
+            return manifests.data_prefixes(manifest, layout.tokens)
+        if data.prefixes:
+            return list(data.prefixes)
+        return [x for item in data.blend for x in (str(item.weight), item.prefix)]
+
+    def execute(self, context) -> Any:
+        params = context["params"]
+        layout = self._layout()
+        train_iters = int(params.get("train_iters") or self.campaign.training.train_iters)
+        before = read_iteration(self.hook, layout)
+        if before >= train_iters:
+            raise AirflowSkipException(f"campaign done: checkpoint at iteration {before} "
+                                       f">= train_iters {train_iters}")
+        manifest = pin_manifest(self.hook, layout)
+        history = read_history(self.hook, layout)
+        self._render_segment(layout, self._data_path(layout, manifest), history, train_iters)
+        context["ti"].xcom_push(key=XCOM_START, value=before)
+        self.log.info("segment %s resumes at iteration %s of %s", self.segment, before,
+                      train_iters)
+        if params.get("dry_run"):
+            run_dir = self.hook.run_dir(self.job_key(context))
+            self.hook.upload(run_dir, self.files)
+            raise AirflowSkipException(f"dry run: configs rendered and uploaded to {run_dir}")
+        return super().execute(context)
+
+    def _render_segment(self, layout: Layout, data_path: list[str], history: list[dict],
+                train_iters: int) -> None:
+        if self.campaign.model.reference is not None:
+            from operators.campaign.reference import reference_segment
+
+            kwargs = reference_segment(self.campaign, layout, data_path, history, train_iters)
+        else:
+            from operators.campaign.bridge import bridge_segment
+
+            paths = RunPaths.for_campaign(self.campaign, data_prefixes=data_path,
+                                          tokenizer_dir=layout.tokenizer)
+            kwargs = bridge_segment(self.campaign, paths, history)
+        self.command, self.job = kwargs["command"], kwargs["job"]
+        self.environment, self.files = kwargs["environment"], kwargs["files"]
+
+    def _complete(self, context, event: dict[str, Any]) -> Any:
+        summary = super()._complete(context, event)  # raises unless success or time limit
+        layout = self._layout()
+        before = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_START) or 0
+        result = summary.get("result") or {}
+        after = result.get("end_iteration")
+        if after is None:  # killed before it could write segment.json: trust the tracker
+            after = read_iteration(self.hook, layout)
+        append_history(self.hook, layout, {**result, "slurm": summary["record"],
+                                            "run_id": context["ti"].run_id,
+                                            "task_id": self.task_id})
+        advanced = check_progress(before, after)
+        self.log.info("segment %s trained iterations %s -> %s (+%s), stopped: %s",
+                      self.segment, before, after, advanced, result.get("stop_reason"))
+        return summary

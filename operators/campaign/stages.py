@@ -1,0 +1,74 @@
+"""The campaign's non-training jobs as ``SlurmJobOperator`` arguments. Pure.
+
+Each function returns ``{"command", "job", "result_file"}`` for one stage; the
+command runs a ``jobscripts`` entry point with the cluster's Python
+(``$PP_PYTHON``) and writes its result JSON into the job's run directory.
+"""
+
+from __future__ import annotations
+
+from operators.campaign.layout import RESULT_FILE, Layout
+from operators.slurm.operator import python_module_command
+
+
+def stage_job(campaign, cpus: int | None = None) -> dict:
+    """sbatch options shared by the CPU stages: the campaign's partition and account."""
+    c = campaign.cluster
+    job = {name: getattr(c, name) for name in ("partition", "account", "qos")
+           if getattr(c, name) is not None}
+    job["time"] = c.time_limit
+    if cpus or c.cpus_per_task:
+        job["cpus_per_task"] = cpus or c.cpus_per_task
+    if c.mem:
+        job["mem"] = c.mem
+    return job
+
+
+def _stage(campaign, module: str, *args: object, cpus: int | None = None) -> dict:
+    return {"command": python_module_command(module, *args, "--result", RESULT_FILE),
+            "job": stage_job(campaign, cpus), "result_file": RESULT_FILE}
+
+
+def demo_corpus(campaign, layout: Layout) -> dict:
+    return _stage(campaign, "jobscripts.demo_corpus", "--output-dir", layout.corpus)
+
+
+def ingest(campaign, layout: Layout) -> dict:
+    d = campaign.data
+    source = layout.corpus if d.source == "demo" else d.source
+    args = ["--input", source, "--output-dir", layout.ingest,
+            "--min-chars", d.min_doc_chars, "--max-chars", d.max_doc_chars]
+    if not d.dedup:
+        args.append("--no-dedup")
+    return _stage(campaign, "jobscripts.ingest", *args)
+
+
+def raw_gate(campaign, layout: Layout) -> dict:
+    d, g = campaign.data, campaign.data.gate
+    return _stage(campaign, "jobscripts.raw_gate", "--input", layout.jsonl,
+                  "--output-dir", layout.raw_gate, "--sample-size", g.sample_size,
+                  "--min-chars", d.min_doc_chars, "--max-chars", d.max_doc_chars,
+                  "--max-duplicate-rate", g.max_duplicate_rate,
+                  "--max-replacement-share", g.max_replacement_char_share,
+                  "--max-nonprintable-share", g.max_nonprintable_share)
+
+
+def tokenizer(campaign, layout: Layout) -> dict:
+    t = campaign.data.tokenizer
+    if t.train is not None:
+        args = ["--input", layout.jsonl, "--vocab-size", t.train.vocab_size]
+    else:
+        args = ["--from-dir", t.path]
+    return _stage(campaign, "jobscripts.train_tokenizer", "--output-dir", layout.tokenizer, *args)
+
+
+def tokenize(campaign, layout: Layout) -> dict:
+    workers = campaign.data.tokenize_workers
+    return _stage(campaign, "jobscripts.tokenize_megatron", "--input", layout.jsonl,
+                  "--tokenizer", layout.tokenizer, "--output-dir", layout.tokens,
+                  "--workers", workers, cpus=workers)
+
+
+def token_gate(campaign, layout: Layout, ingest_result: str) -> dict:
+    return _stage(campaign, "jobscripts.token_gate", "--dataset-dir", layout.tokens,
+                  "--ingest-result", ingest_result, "--output-dir", layout.token_gate)

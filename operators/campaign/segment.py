@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowSkipException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from operators.campaign.layout import Layout
 from operators.campaign.paths import RunPaths
-from operators.campaign.plan import check_progress
+from operators.campaign.plan import SegmentNoProgress, check_progress
 from operators.campaign.remote import (
     append_history,
     read_history,
@@ -78,7 +78,10 @@ class TrainingSegmentOperator(SlurmJobOperator):
         if before >= train_iters:
             raise AirflowSkipException(f"campaign done: checkpoint at iteration {before} "
                                        f">= train_iters {train_iters}")
-        manifest = pin_manifest(self.hook, layout)
+        try:
+            manifest = pin_manifest(self.hook, layout)
+        except ValueError as exc:  # ManifestError: retrying cannot make the data match
+            raise AirflowFailException(str(exc)) from exc
         history = read_history(self.hook, layout)
         self._render_segment(layout, self._data_path(layout, manifest), history, train_iters)
         context["ti"].xcom_push(key=XCOM_START, value=before)
@@ -116,7 +119,10 @@ class TrainingSegmentOperator(SlurmJobOperator):
         append_history(self.hook, layout, {**result, "slurm": summary["record"],
                                             "run_id": context["ti"].run_id,
                                             "task_id": self.task_id})
-        advanced = check_progress(before, after)
+        try:
+            advanced = check_progress(before, after)
+        except SegmentNoProgress as exc:  # a retry would loop on the same wall
+            raise AirflowFailException(str(exc)) from exc
         self.log.info("segment %s trained iterations %s -> %s (+%s), stopped: %s",
                       self.segment, before, after, advanced, result.get("stop_reason"))
         return summary

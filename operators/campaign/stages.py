@@ -10,6 +10,8 @@ from __future__ import annotations
 from operators.campaign.layout import RESULT_FILE, Layout
 from operators.slurm.operator import python_module_command
 
+MERGED_PREFIX = "corpus"  # -> <data dir>/corpus_text_document.bin/.idx
+
 
 def stage_job(campaign, cpus: int | None = None) -> dict:
     """sbatch options shared by the CPU stages: the campaign's partition and account."""
@@ -66,7 +68,9 @@ def tokenize(campaign, layout: Layout) -> dict:
     workers = campaign.data.tokenize_workers
     return _stage(campaign, "jobscripts.tokenize_megatron", "--input", layout.jsonl,
                   "--tokenizer", layout.tokenizer, "--output-dir", layout.tokens,
-                  "--workers", workers, cpus=workers)
+                  # One merged prefix: Megatron's blend of per-shard prefixes gives a shard
+                  # with no validation documents weight 0, which it refuses.
+                  "--workers", workers, "--merge", MERGED_PREFIX, cpus=workers)
 
 
 def token_gate(campaign, layout: Layout, ingest_result: str) -> dict:

@@ -27,6 +27,9 @@ from operators.slurm.spec import ContainerSpec, JobSpec
 from operators.slurm.states import Outcome, SettleGate, classify
 from operators.slurm.trigger import SlurmJobTrigger, record_payload, success_summary
 
+# Jobs name the cluster's Python through this variable, set from the connection's
+# ``remote_python`` at submission: DAGs are written before anyone knows that path.
+PYTHON_ENV = "PP_PYTHON"
 LOG_NAME = "slurm-%j.out"
 ARRAY_LOG_NAME = "slurm-%A_%a.out"  # one log per array task
 XCOM_JOB = "slurm_job"
@@ -50,6 +53,14 @@ def build_spec(key: str, run_dir: str, command: str, job: Mapping[str, Any],
         environment=dict(environment or {}),
         container=container, **job,
     ).validate()
+
+
+def python_module_command(module: str, *args: object) -> str:
+    """``"$PP_PYTHON" -m module args...`` with every argument shell-quoted."""
+    import shlex
+
+    quoted = " ".join(shlex.quote(str(a)) for a in args)
+    return f'"${PYTHON_ENV}" -m {shlex.quote(module)} {quoted}'.rstrip()
 
 
 def log_path_for(spec: JobSpec, job_id: str) -> str:
@@ -120,7 +131,8 @@ class SlurmJobOperator(BaseOperator):
     def execute(self, context) -> Any:
         key = self.job_key(context)
         # Validate before any SSH: a bad spec fails here, naming its field.
-        spec = build_spec(key, "/pending", self.command, self.job, self.environment)
+        environment = {PYTHON_ENV: self.hook.settings.remote_python, **self.environment}
+        spec = build_spec(key, "/pending", self.command, self.job, environment)
         run_dir = self.hook.run_dir(key)
         spec = replace(spec, workdir=run_dir, output=posixpath.join(
             run_dir, posixpath.basename(spec.output))).validate()

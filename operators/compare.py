@@ -1,0 +1,214 @@
+"""Compare an experiment's campaigns: loss against tokens consumed, plus a table of final metrics.
+
+    pretrain-pipeline compare EXPERIMENT [--tracking-uri URI] [--output compare.png]
+        [--reference CSV [--reference-label TEXT]] [--logx] [--dpi 100]
+
+Reads every campaign (parent run) of the MLflow experiment and the segment runs under it,
+joins their metric histories into one curve per campaign (a step logged by a later segment,
+e.g. a retry that redid iterations, replaces the earlier value), puts loss on tokens consumed
+(``tokens_consumed`` logged with step = iteration), and writes:
+- ``compare.png``: training loss (left) and validation loss (right), one line per campaign in
+  the same colour on both; the reference curve (CSV with ``tokens,val_loss`` columns, e.g.
+  llm.c's GPT-2 124M on FineWeb, ~3.28 after 10B tokens) dashed on the validation panel;
+- ``compare.csv`` and ``compare.md`` beside it, and the table on stdout: final tokens, losses,
+  and the evaluation's perplexity and bits per byte. Losses in nats per token depend on the
+  tokenizer; bits per byte does not, so it is the column to compare across tokenizers.
+A campaign without ``tokens_consumed`` cannot be placed on the x axis: it is left off the plot
+and says so in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from operators.campaign.logparse import LM_LOSS, VAL_LM_LOSS
+from operators.tracking.metrics import TOKENS_CONSUMED
+from operators.tracking.registry import EVAL_METRICS
+from operators.tracking.runs import PARENT_TAG
+
+HELP = "plot loss vs tokens for an experiment's campaigns and tabulate final metrics"
+CURVES = (LM_LOSS, VAL_LM_LOSS)
+EVAL_COLUMNS = (EVAL_METRICS["perplexity"], EVAL_METRICS["bits_per_byte"])
+COLUMNS = ("run", "run_id", "status", "tokens", LM_LOSS, VAL_LM_LOSS, *EVAL_COLUMNS, "note")
+
+
+@dataclass
+class Campaign:
+    name: str
+    run_id: str
+    status: str
+    curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # (tokens, v)
+    final: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    def row(self) -> dict[str, object]:
+        tokens = max((x for points in self.curves.values() for x, _ in points), default=None)
+        values = {k: self.final.get(k) for k in (LM_LOSS, VAL_LM_LOSS, *EVAL_COLUMNS)}
+        return {"run": self.name, "run_id": self.run_id, "status": self.status,
+                "tokens": tokens, **values, "note": self.note}
+
+
+def merge_histories(histories: Iterable[Sequence[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """(step, value) histories of consecutive runs -> one; later runs win on a shared step."""
+    merged: dict[int, float] = {}
+    for history in histories:
+        merged.update(dict(history))
+    return sorted(merged.items())
+
+
+def on_tokens(points: Sequence[tuple[int, float]], tokens: Sequence[tuple[int, float]]):
+    """Place (step, value) on the token axis; steps between token records are interpolated."""
+    import numpy as np
+
+    if not tokens:
+        return []
+    steps, counts = zip(*tokens, strict=True)
+    return [(float(np.interp(step, steps, counts)), value) for step, value in points
+            if math.isfinite(value)]
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    # One value per step: the last logged (a re-logged step keeps its newest value).
+    ordered = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
+    return list({m.step: m.value for m in ordered}.items())
+
+
+def _search_all(client, experiment_id: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], max_results=1000, page_token=token,
+                                  order_by=["attributes.start_time ASC"])
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def load_campaigns(client, experiment: str) -> list[Campaign]:
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise SystemExit(f"compare: no MLflow experiment named {experiment!r}")
+    runs = _search_all(client, found.experiment_id)
+    children: dict[str, list] = {}
+    for run in runs:
+        parent = run.data.tags.get(PARENT_TAG)
+        if parent:
+            children.setdefault(parent, []).append(run)
+    campaigns = []
+    for run in runs:
+        if run.data.tags.get(PARENT_TAG):
+            continue
+        family = [run, *children.get(run.info.run_id, [])]  # start-time order from the search
+        merged = {key: merge_histories(_history(client, r.info.run_id, key) for r in family)
+                  for key in (*CURVES, TOKENS_CONSUMED)}
+        campaign = Campaign(run.info.run_name or run.info.run_id, run.info.run_id,
+                            run.info.status)
+        for key in CURVES:
+            campaign.curves[key] = on_tokens(merged[key], merged[TOKENS_CONSUMED])
+            if merged[key]:
+                campaign.final[key] = merged[key][-1][1]
+        for key in EVAL_COLUMNS:
+            if key in run.data.metrics:
+                campaign.final[key] = run.data.metrics[key]
+        if not merged[TOKENS_CONSUMED]:
+            campaign.note = f"no {TOKENS_CONSUMED} metric: not plotted"
+        campaigns.append(campaign)
+    return campaigns
+
+
+def read_reference(path: Path) -> list[tuple[float, float]]:
+    with open(path, newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        if not reader.fieldnames or not {"tokens", "val_loss"} <= set(reader.fieldnames):
+            raise SystemExit(f"compare: {path} needs columns tokens,val_loss "
+                             f"(has {reader.fieldnames})")
+        return sorted((float(r["tokens"]), float(r["val_loss"])) for r in reader)
+
+
+def plot(campaigns: Sequence[Campaign], reference: Sequence[tuple[float, float]] = (),
+         reference_label: str = "reference", logx: bool = False, title: str = ""):
+    """The figure (Agg, no display needed): left training loss, right validation loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 4.5), layout="constrained")
+    axes = figure.subplots(1, 2, sharex=True)
+    for index, campaign in enumerate(campaigns):
+        color = f"C{index % 10}"
+        for axis, key in zip(axes, CURVES, strict=True):
+            points = campaign.curves.get(key) or []
+            if points:
+                xs, ys = zip(*points, strict=True)
+                axis.plot(xs, ys, color=color, label=campaign.name, linewidth=1.5)
+    if reference:
+        xs, ys = zip(*reference, strict=True)
+        axes[1].plot(xs, ys, color="black", linestyle="--", label=reference_label)
+    for axis, name in zip(axes, ("training loss", "validation loss"), strict=True):
+        axis.set_title(name)
+        axis.set_xlabel("tokens consumed")
+        axis.set_ylabel("loss (nats/token)")
+        axis.grid(True, alpha=0.3)
+        if logx:
+            axis.set_xscale("log")
+        if axis.lines:
+            axis.legend(fontsize="small")
+    if title:
+        figure.suptitle(title)
+    return figure
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.4e}"
+    return "" if value is None else str(value)
+
+
+def write_tables(campaigns: Sequence[Campaign], png: Path) -> str:
+    """CSV (full precision) and markdown beside the PNG; returns the markdown."""
+    rows = [c.row() for c in campaigns]
+    with open(png.with_suffix(".csv"), "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    markdown = "\n".join(lines) + "\n"
+    png.with_suffix(".md").write_text(markdown, encoding="utf-8")
+    return markdown
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("experiment", help="MLflow experiment name")
+    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                        help="MLflow server (default: $MLFLOW_TRACKING_URI)")
+    parser.add_argument("--output", default="compare.png", help="PNG path; tables go beside it")
+    parser.add_argument("--reference", help="CSV with tokens,val_loss columns to overlay")
+    parser.add_argument("--reference-label", default="reference")
+    parser.add_argument("--logx", action="store_true", help="log-scale token axis")
+    parser.add_argument("--dpi", type=int, default=100)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=args.tracking_uri)
+    campaigns = load_campaigns(client, args.experiment)
+    if not campaigns:
+        raise SystemExit(f"compare: experiment {args.experiment!r} has no campaign runs")
+    reference = read_reference(Path(args.reference)) if args.reference else []
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure = plot(campaigns, reference, args.reference_label, args.logx, args.experiment)
+    figure.savefig(output, dpi=args.dpi)
+    print(write_tables(campaigns, output), end="", flush=True)
+    print(f"wrote {output}, {output.with_suffix('.csv')}, {output.with_suffix('.md')}",
+          flush=True)
+    return 0

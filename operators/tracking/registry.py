@@ -1,0 +1,152 @@
+"""Register an exported model in MLflow's model registry, with its lineage, idempotently.
+
+One registered model per campaign (its name is the caller's choice); one version per exported
+checkpoint iteration. A version carries lineage tags: campaign, dataset manifest hash,
+checkpoint iteration, config hash, and the evaluation metrics; the newest registration gets
+the alias ``candidate`` (promotion past candidate is a person's decision, not the DAG's).
+
+Steps, each safe to repeat after a crash or an Airflow retry:
+1. a version whose tags name this campaign and iteration already exists -> return it
+   (alias set again); nothing else is logged twice;
+2. the export directory is uploaded as artifacts of a child run of the campaign's run
+   (``export-iter_XXXXXXX``, runs.child_run: found again if an earlier attempt created it);
+   an upload counts once the run is tagged complete, so a half-done upload is redone;
+3. the evaluation metrics go on the campaign's run (step = iteration, so several exports make
+   a curve) and on the export run;
+4. the version is created from ``runs:/<export run>/model`` and the alias moved to it.
+Two registrations of the same iteration racing each other could both create a version: the
+DAG runs one registration task per campaign, so this is not guarded further.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from operators.tracking.runs import KIND_TAG, _quoted, child_run, finish_run
+
+CANDIDATE_ALIAS = "candidate"
+ARTIFACT_PATH = "model"
+EXPORT_KIND = "export"  # KIND_TAG value of the export's child run
+UPLOADED_TAG = "pp.artifacts_complete"
+# eval.json key (jobscripts/evaluate.py) -> MLflow metric name on the campaign's run.
+EVAL_METRICS = {
+    "perplexity": "eval_perplexity",
+    "bits_per_byte": "eval_bits_per_byte",
+    "nll_per_token": "eval_nll_per_token",
+    "tokens_evaluated": "eval_tokens",
+}
+
+
+@dataclass(frozen=True)
+class Lineage:
+    campaign: str
+    iteration: int
+    dataset_manifest_hash: str | None = None
+    config_hash: str | None = None
+
+    def tags(self) -> dict[str, str]:
+        tags = {"campaign": self.campaign, "checkpoint_iteration": str(self.iteration)}
+        if self.dataset_manifest_hash:
+            tags["dataset_manifest_hash"] = self.dataset_manifest_hash
+        if self.config_hash:
+            tags["config_hash"] = self.config_hash
+        return tags
+
+
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    version: str
+    run_id: str  # the export run holding the artifacts
+    source: str
+    created: bool  # False: an earlier registration of this campaign + iteration was returned
+
+
+def eval_metrics(evaluation: dict[str, Any] | None) -> dict[str, float]:
+    """MLflow metric values from an eval.json; absent or non-numeric figures are left out."""
+    values = {}
+    for key, name in EVAL_METRICS.items():
+        value = (evaluation or {}).get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values[name] = float(value)
+    return values
+
+
+def find_version(client, name: str, lineage: Lineage):
+    """The version already registered for this campaign + iteration, or None."""
+    from mlflow.exceptions import MlflowException
+
+    query = (f"name = {_quoted(name, 'model name')} and "
+             f"tags.campaign = {_quoted(lineage.campaign, 'campaign')} and "
+             f"tags.checkpoint_iteration = '{lineage.iteration}'")
+    try:
+        found = client.search_model_versions(query)
+    except MlflowException:
+        return None  # the registered model does not exist yet
+    return min(found, key=lambda v: int(v.version)) if found else None
+
+
+def export_run(client, campaign_run_id: str, lineage: Lineage) -> str:
+    """The campaign's child run for this export: the same run again on a retry."""
+    name = f"export-iter_{lineage.iteration:07d}"
+    return child_run(client, campaign_run_id, name, {KIND_TAG: EXPORT_KIND, **lineage.tags()})
+
+
+def _log_metrics(client, run_id: str, values: dict[str, float], step: int) -> None:
+    if not values:
+        return
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+
+def _ensure_registered_model(client, name: str, campaign: str) -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+
+    try:
+        client.create_registered_model(name, tags={"campaign": campaign},
+                                       description=f"Exports of pre-training campaign {campaign}")
+    except MlflowException as exc:
+        if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+
+
+def register_model(client, name: str, campaign_run_id: str, export_dir: str | Path,
+                   lineage: Lineage, evaluation: dict[str, Any] | None = None,
+                   alias: str = CANDIDATE_ALIAS) -> Registration:
+    """Register ``export_dir`` (a verified HF directory) as a version of ``name``.
+
+    ``client`` is an ``mlflow.MlflowClient``; ``campaign_run_id`` the campaign's parent run;
+    ``evaluation`` the evaluate step's result JSON (jobscripts/evaluate.py), if any.
+    """
+    export_dir = Path(export_dir)
+    if not (export_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{export_dir}: no config.json (not an exported HF directory)")
+    existing = find_version(client, name, lineage)
+    if existing is not None:
+        client.set_registered_model_alias(name, alias, existing.version)
+        return Registration(name, existing.version, existing.run_id, existing.source, False)
+
+    run_id = export_run(client, campaign_run_id, lineage)
+    if client.get_run(run_id).data.tags.get(UPLOADED_TAG) != "true":
+        client.log_artifacts(run_id, str(export_dir), ARTIFACT_PATH)
+        client.set_tag(run_id, UPLOADED_TAG, "true")
+    metrics = eval_metrics(evaluation)
+    _log_metrics(client, campaign_run_id, metrics, lineage.iteration)
+    _log_metrics(client, run_id, metrics, lineage.iteration)
+    finish_run(client, run_id)
+
+    _ensure_registered_model(client, name, lineage.campaign)
+    source = f"runs:/{run_id}/{ARTIFACT_PATH}"
+    tags = {**lineage.tags(), **{f"eval.{k}": f"{v:.6g}" for k, v in metrics.items()},
+            "export_dir": str(export_dir)}
+    version = client.create_model_version(name, source, run_id=run_id, tags=tags,
+                                          description=f"{lineage.campaign} at iteration "
+                                                      f"{lineage.iteration}")
+    client.set_registered_model_alias(name, alias, version.version)
+    return Registration(name, version.version, run_id, version.source, True)

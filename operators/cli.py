@@ -19,7 +19,8 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pretrain-pipeline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pretrain-pipeline", description="Tools for pre-training campaigns tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

@@ -117,6 +117,8 @@ class TrainingSegmentOperator(SlurmJobOperator):
         if after is None:  # killed before it could write segment.json: trust the tracker
             after = read_iteration(self.hook, layout)
         append_history(self.hook, layout, {**result, "slurm": summary["record"],
+                                            "run_dir": summary["run_dir"],
+                                            "log_path": summary["log_path"],
                                             "run_id": context["ti"].run_id,
                                             "task_id": self.task_id})
         try:

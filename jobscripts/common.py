@@ -1,0 +1,81 @@
+"""Plumbing shared by the entry points: the job log and the result-JSON contract.
+
+Every entry point writes its result JSON (``"ok": true`` plus its figures, or
+``"ok": false`` plus a human-readable ``"error"``) even when it fails, and exits
+non-zero on failure, so the Airflow side never has to scrape the log to learn why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jobscripts.results import write_json_atomic
+
+
+class StepError(Exception):
+    """A failure whose message already names the file, line or field at fault.
+
+    ``details`` goes into the result JSON next to the error (a gate puts its
+    per-expectation figures there, so a failing gate still reports everything).
+    """
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = details or {}
+
+
+def log(message: str) -> None:
+    # stdout is the Slurm job log, streamed into the Airflow task log: flush each line.
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run_step(
+    step: str,
+    args: argparse.Namespace,
+    default_result: Path,
+    body: Callable[[argparse.Namespace], dict[str, Any]],
+) -> int:
+    """Run ``body``, write its result JSON atomically, and turn failures into exit 1."""
+    result_path = Path(args.result) if getattr(args, "result", None) else default_result
+    started = time.monotonic()
+    try:
+        payload = body(args)
+    except StepError as exc:
+        payload = {**exc.details, "ok": False, "error": str(exc)}
+        log(f"{step} FAILED: {exc}")
+    except Exception as exc:  # anything unforeseen still leaves a result behind
+        traceback.print_exc()
+        payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        log(f"{step} FAILED: {payload['error']}")
+    else:
+        payload = {**payload, "ok": True}
+    payload["step"] = step
+    payload["seconds"] = round(time.monotonic() - started, 3)
+    write_json_atomic(result_path, payload)
+    log(f"{step}: result written to {result_path}")
+    return 0 if payload["ok"] else 1
+
+
+def entry_point(
+    step: str,
+    build_parser: Callable[[], argparse.ArgumentParser],
+    body: Callable[[argparse.Namespace], dict[str, Any]],
+    result_name: str,
+    result_dir: Callable[[argparse.Namespace], str] = lambda args: args.output_dir,
+) -> Callable[[list[str] | None], int]:
+    """``main(argv) -> exit code`` for a step: its flags plus ``--result``, then run_step."""
+
+    def main(argv: list[str] | None = None) -> int:
+        parser = build_parser()
+        parser.add_argument(
+            "--result", help=f"where to write the result JSON (default: <output dir>/{result_name})"
+        )
+        args = parser.parse_args(argv)
+        return run_step(step, args, Path(result_dir(args)) / result_name, body)
+
+    return main

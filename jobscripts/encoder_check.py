@@ -1,0 +1,80 @@
+"""Check the fast encoder against Megatron's tokenizer in a forked process, while tokenizing.
+
+Building Megatron's tokenizer takes seconds (transformers rebuilds the vocabulary
+in Python), longer than encoding a small corpus. So tokenization starts at once
+with tiktoken and the EOD id and vocabulary size read from the tokenizer files,
+while a forked child (it inherits the imports: no re-import) builds Megatron's
+tokenizer, checks those two numbers and the ids on the sample. No shard is marked
+done before the child's verdict; a verdict against the guess makes the caller
+redo the shards with the encoder the child found correct.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+from jobscripts.common import StepError
+
+
+def files_view(tokenizer_dir: Path) -> tuple[int, int | None]:
+    """(vocabulary size with added tokens, id of eos_token) from tokenizer.json and its config."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    config_path = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):  # older configs store AddedToken dicts
+        eos = eos.get("content")
+    eod = tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+    return tokenizer.get_vocab_size(with_added_tokens=True), eod
+
+
+def verdict(tokenizer_dir: Path, sample: list, requested: str, legacy: bool) -> dict:
+    """Megatron's vocabulary size and EOD, and the first encoder that reproduces its ids."""
+    from jobscripts.doc_encoder import choose
+    from jobscripts.megatron_tokenizer import load
+
+    reference = load(tokenizer_dir, legacy=legacy)
+    if reference.eod is None:
+        raise StepError(f"{tokenizer_dir}: the tokenizer has no eos_token, so no EOD to append")
+    _encoder, report = choose(tokenizer_dir, reference, sample, requested, legacy)
+    return {"vocab_size": reference.vocab_size, "eod": reference.eod, "report": report}
+
+
+def _child(connection, tokenizer_dir: Path, sample: list, requested: str, legacy: bool) -> None:
+    try:
+        connection.send(verdict(tokenizer_dir, sample, requested, legacy))
+    except Exception as exc:  # the parent turns this into the step's error
+        connection.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        connection.close()
+
+
+class BackgroundCheck:
+    """``verdict`` computed in a forked child; ``result()`` waits for it (once)."""
+
+    def __init__(self, tokenizer_dir: Path, sample: list, requested: str, legacy: bool):
+        # fork, not spawn: the child must not pay megatron's ~18 s import again. The parent
+        # has started no thread yet, so forking is safe.
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_child, args=(send, tokenizer_dir, sample, requested, legacy), daemon=True
+        )
+        self._process.start()
+        send.close()
+        self._verdict: dict | None = None
+
+    def result(self) -> dict:
+        if self._verdict is None:
+            try:
+                self._verdict = self._receive.recv()
+            except EOFError:
+                self._verdict = {"error": f"the check process died (exit {self._process.exitcode})"}
+            self._process.join()
+        if "error" in self._verdict:
+            raise StepError(f"checking the encoder against Megatron failed: {self._verdict['error']}")
+        return self._verdict

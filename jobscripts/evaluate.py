@@ -1,0 +1,183 @@
+"""Evaluate an exported Hugging Face model: held-out perplexity, bits per byte, samples.
+
+    python -m jobscripts.evaluate --model HF_DIR --data heldout.jsonl --max-model-len 4096
+        [--backend transformers|vllm|vllm-server] [--server-url URL | --server-port P]
+        [--max-documents N] [--max-tokens N] [--text-field text]
+        [--prompt TEXT ...] [--prompts-file prompts.json] [--temperatures 0 0.8]
+        [--max-new-tokens 64] [--seed 0] [--batch-size 8] [--num-threads N]
+        [--lm-eval-tasks a,b --lm-eval-include DIR [--lm-eval-limit N]]
+        [--output-dir DIR] [--result PATH]
+
+``transformers`` is the CPU reference (tests, the local cluster); ``vllm`` is the production
+path in the vLLM container; ``vllm-server`` asks an OpenAI-compatible ``vllm serve`` (given by
+``--server-url``, or started here on ``--server-port``). All three are fed the same token
+windows and their log-probabilities go through jobscripts/eval_metrics.py, so the figures
+mean the same whichever computed them. ``--max-model-len`` must be the training sequence
+length: documents longer than that are cut into windows the model was trained on.
+
+Result JSON (default <output dir>/eval.json): ok, error, model, backend, data, max_model_len,
+window_len, nll_per_token, perplexity, bits_per_token, bits_per_byte, tokens_evaluated,
+bytes_evaluated, documents_evaluated, documents_truncated, samples [{prompt, temperature,
+completion}], lm_eval ({task: {metric: value}} or null), step, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from jobscripts.common import StepError, entry_point, log
+from jobscripts.eval_metrics import prepare_documents, score
+
+BACKENDS = ("transformers", "vllm", "vllm-server")
+SERVED_NAME = "model"
+
+
+def read_texts(path: Path, field: str) -> Iterator[str]:
+    """Texts of a JSONL file, lazily (the caps stop reading early); errors name file:line."""
+    try:
+        handle = open(path, encoding="utf-8")  # noqa: SIM115 (a generator owns it)
+    except OSError as exc:
+        raise StepError(f"--data {path}: {exc.strerror}") from exc
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise StepError(f"{path}:{number}: not JSON ({exc})") from exc
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise StepError(f"{path}:{number}: no string field {field!r}")
+            yield text
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            loaded = json.loads(Path(args.prompts_file).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise StepError(f"--prompts-file {args.prompts_file}: {exc}") from exc
+        if not (isinstance(loaded, list) and all(isinstance(p, str) for p in loaded)):
+            raise StepError(f"--prompts-file {args.prompts_file}: expected a JSON list of strings")
+        prompts += loaded
+    return prompts
+
+
+def open_backend(args: argparse.Namespace, stack: contextlib.ExitStack):
+    if args.backend == "transformers":
+        from jobscripts.eval_hf import TransformersBackend
+
+        return TransformersBackend(args.model, args.batch_size, args.num_threads)
+    if args.backend == "vllm":
+        from jobscripts.eval_vllm import VllmBackend
+
+        return VllmBackend(args.model, args.max_model_len, seed=args.seed)
+    from jobscripts.eval_vllm import ServedModel, ServerBackend
+
+    url = args.server_url
+    if url is None:
+        log_path = Path(args.output_dir) / "vllm-serve.log"
+        url = stack.enter_context(ServedModel(args.model, args.server_port, args.max_model_len,
+                                              SERVED_NAME, log_path)).base_url
+    return ServerBackend(url, SERVED_NAME, args.batch_size)
+
+
+def sample(backend, tokenizer, prompts: list[str], args, eod: int) -> list[dict]:
+    """Completions at each temperature; prompts start after an EOD, as documents do."""
+    if not prompts:
+        return []
+    encoded = [[eod, *tokenizer.encode(p, add_special_tokens=False)] for p in prompts]
+    longest = max(len(e) for e in encoded)
+    max_new = min(args.max_new_tokens, args.max_model_len - longest)
+    if max_new < 1:
+        raise StepError(f"a prompt has {longest - 1} tokens: no room left to generate within "
+                        f"--max-model-len {args.max_model_len}")
+    samples = []
+    for temperature in args.temperatures:
+        outputs = backend.complete(encoded, temperature, max_new, args.seed, eod)
+        for prompt, ids in zip(prompts, outputs, strict=True):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            samples.append({"prompt": prompt, "temperature": temperature, "completion": text})
+            log(f"sample T={temperature}: {prompt!r} -> {text[:200]!r}")
+    return samples
+
+
+def run_lm_eval(args: argparse.Namespace) -> dict:
+    if args.backend == "transformers":
+        raise StepError("--lm-eval-tasks needs --backend vllm or vllm-server (lm-eval runs vLLM)")
+    from jobscripts.eval_vllm import lm_eval_command, run_lm_eval_child
+
+    output = Path(args.output_dir) / "lm_eval.json"
+    command = lm_eval_command(args.model, args.lm_eval_tasks.split(","), args.lm_eval_include,
+                              args.max_model_len, str(output), args.lm_eval_limit, args.seed)
+    return run_lm_eval_child(command, output)
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+
+    if args.max_model_len < 2:
+        raise StepError("--max-model-len must be at least 2")
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    eod = tokenizer.eos_token_id
+    if eod is None:
+        raise StepError(f"{args.tokenizer or args.model}: the tokenizer defines no EOS/EOD token")
+    documents = prepare_documents(
+        read_texts(Path(args.data), args.text_field),
+        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        decode=tokenizer.decode, max_documents=args.max_documents, max_tokens=args.max_tokens)
+    if not documents:
+        raise StepError(f"{args.data}: no non-empty {args.text_field!r} text to evaluate")
+    log(f"{len(documents)} documents, {sum(len(d.token_ids) for d in documents)} tokens; "
+        f"backend {args.backend}")
+    lm_eval = run_lm_eval(args) if args.lm_eval_tasks else None  # first: it needs the GPU
+    window_len = args.max_model_len - 1
+    with contextlib.ExitStack() as stack:
+        backend = open_backend(args, stack)
+        summary = score(documents, eod, window_len, backend.window_logprobs).summary()
+        log(f"perplexity {summary['perplexity']:.4f}, bits/byte {summary['bits_per_byte']}, "
+            f"nll/token {summary['nll_per_token']:.4f} over {summary['tokens_evaluated']} tokens")
+        samples = sample(backend, tokenizer, read_prompts(args), args, eod)
+    return {"model": str(args.model), "backend": args.backend, "data": str(args.data),
+            "max_model_len": args.max_model_len, "window_len": window_len, **summary,
+            "samples": samples, "lm_eval": lm_eval}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jobscripts.evaluate",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    p.add_argument("--data", required=True, help="held-out JSONL")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--max-model-len", type=int, required=True,
+                   help="the training sequence length")
+    p.add_argument("--backend", choices=BACKENDS, default="transformers")
+    p.add_argument("--server-url", help="vllm-server: an already running server")
+    p.add_argument("--server-port", type=int, default=8000, help="vllm-server: port to start on")
+    p.add_argument("--max-documents", type=int)
+    p.add_argument("--max-tokens", type=int, help="stop after this many scored tokens")
+    p.add_argument("--prompt", action="append", help="a sampling prompt (repeatable)")
+    p.add_argument("--prompts-file", help="JSON list of sampling prompts")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-threads", type=int, help="transformers: torch CPU threads")
+    p.add_argument("--lm-eval-tasks", help="comma-separated lm-evaluation-harness tasks")
+    p.add_argument("--lm-eval-include", help="directory of local lm-eval task YAMLs")
+    p.add_argument("--lm-eval-limit", type=int, help="examples per lm-eval task")
+    p.add_argument("--output-dir", default=".", help="where eval.json (and server logs) go")
+    return p
+
+
+main = entry_point("evaluate", build_parser, evaluate, "eval.json")
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""Parquet shards (FineWeb layout) to JSONL shards with datatrove, with filters.
+
+    python -m jobscripts.ingest --input DIR|GLOB|s3://... --output-dir OUT
+        [--min-chars 1] [--max-chars 0] [--no-dedup] [--tasks N] [--workers N]
+        [--hf-repo REPO --hf-allow-pattern PAT ...] [--hf-revision REV] [--result PATH]
+
+The pipeline is the reference workflow's (``ParquetReader`` -> filters ->
+``JsonlWriter``) run by ``LocalPipelineExecutor`` with its logs under
+``OUT/logs``. Exact-duplicate removal is datatrove's three-stage ExactDedup
+(signatures, find, filter): global across tasks and the same on every run.
+JSONL is written uncompressed so tokenization can split shards by byte range.
+A rerun with the same settings resumes (datatrove skips completed tasks); a rerun
+with other settings into the same directory is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from datatrove.pipeline.filters.base_filter import BaseFilter
+
+from jobscripts.common import StepError, entry_point, log
+from jobscripts.results import read_json, write_json_atomic
+
+GLOB_CHARS = set("*?[")
+
+
+def split_input(spec: str) -> tuple[str, str]:
+    """'dir/000_*.parquet' -> ('dir', '000_*.parquet'); a bare directory gets '*.parquet'."""
+    parts = spec.rstrip("/").split("/")
+    for i, part in enumerate(parts):
+        if GLOB_CHARS.intersection(part):
+            return "/".join(parts[:i]) or "/", "/".join(parts[i:])
+    return spec.rstrip("/"), "**/*.parquet"
+
+
+def doc_text(doc) -> str:  # a named function: datatrove reads its return annotation
+    return doc.text
+
+
+class LengthFilter(BaseFilter):
+    """Drops documents outside [min_chars, max_chars], counting each reason apart."""
+
+    name = "📏 Length"
+
+    def __init__(self, min_chars: int, max_chars: int):
+        super().__init__()
+        self.min_chars, self.max_chars = min_chars, max_chars
+
+    def filter(self, doc):
+        if len(doc.text) < self.min_chars:
+            return False, "too_short"
+        if self.max_chars and len(doc.text) > self.max_chars:
+            return False, "too_long"
+        return True
+
+
+def count_rows(folder, files: list[str]) -> int:
+    """Rows in the input, from the Parquet footers (datatrove skips empty texts silently)."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for name in files:
+        with folder.open(name, "rb") as handle:
+            total += pq.ParquetFile(handle).metadata.num_rows
+    return total
+
+
+def stage_stats(logging_dir: Path) -> list[dict]:
+    """Per-step stats summed over every task, including tasks done by an earlier run."""
+    merged: list[dict] = []
+    for path in sorted((logging_dir / "stats").glob("*.json")):
+        for i, step in enumerate(json.loads(path.read_text())):
+            if i == len(merged):
+                merged.append({"name": step["name"], "stats": {}})
+            for key, value in step["stats"].items():
+                if isinstance(value, dict) and "total" in value:
+                    value = value["total"]
+                if isinstance(value, int | float):
+                    merged[i]["stats"][key] = merged[i]["stats"].get(key, 0) + value
+    return merged
+
+
+def build_executors(args, folder: str, glob: str, out: Path, tasks: int, workers: int):
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import ParquetReader
+    from datatrove.pipeline.writers import JsonlWriter
+
+    def head():  # reader + filters, identical in the signature and the filter stage
+        reader = ParquetReader(
+            folder, glob_pattern=glob, text_key=args.text_key, id_key=args.id_key
+        )
+        return [reader, LengthFilter(args.min_chars, args.max_chars)]
+
+    writer = JsonlWriter(str(out / "jsonl"), output_filename="${rank}.jsonl", compression=None)
+    logs = out / "logs"
+    # fork, not datatrove's forkserver default: each forkserver worker re-imports datatrove,
+    # 20 s for three small stages here against 3 s; the parent holds no threads yet.
+    common = {"tasks": tasks, "workers": workers, "start_method": "fork"}
+    if not args.dedup:
+        return [
+            LocalPipelineExecutor([*head(), writer], logging_dir=str(logs / "ingest"), **common)
+        ]
+
+    from datatrove.pipeline.dedup.exact_dedup import (
+        ExactDedupConfig,
+        ExactDedupFilter,
+        ExactDedupSignature,
+        ExactFindDedups,
+    )
+    from datatrove.utils.hashing import HashConfig
+
+    config = ExactDedupConfig(content_getter=doc_text, hash_config=HashConfig(hash_fc="sha1"))
+    sigs, dups = str(out / "dedup" / "signatures"), str(out / "dedup" / "duplicates")
+    first = LocalPipelineExecutor(
+        [*head(), ExactDedupSignature(sigs, config)], logging_dir=str(logs / "signatures"), **common
+    )
+    find = LocalPipelineExecutor(
+        [ExactFindDedups(sigs, dups, config)], tasks=1, workers=1, logging_dir=str(logs / "find")
+    )
+    last = LocalPipelineExecutor(
+        [*head(), ExactDedupFilter(dups, config), writer],
+        logging_dir=str(logs / "ingest"),
+        **common,
+    )
+    return [first, find, last]
+
+
+def settings_guard(out: Path, settings: dict, overwrite: bool) -> None:
+    """Refuse to resume a run made with other settings: datatrove would skip its tasks."""
+    path = out / "ingest_settings.json"
+    if path.exists() and read_json(path) != settings:
+        if not overwrite:
+            raise StepError(
+                f"{out} holds an ingest run with other settings ({path}); "
+                "use a new --output-dir or pass --overwrite"
+            )
+        for sub in ("jsonl", "logs", "dedup"):
+            shutil.rmtree(out / sub, ignore_errors=True)
+    write_json_atomic(path, settings)
+
+
+def ingest(args: argparse.Namespace) -> dict:
+    from datatrove.io import get_datafolder
+
+    out = Path(args.output_dir)
+    source = args.input
+    if args.hf_repo:
+        from jobscripts.hf_fetch import download
+
+        source = str(
+            download(args.hf_repo, args.hf_allow_pattern, out / "download", args.hf_revision)
+        )
+    if not source:
+        raise StepError("give --input, or --hf-repo with --hf-allow-pattern")
+    folder, glob = split_input(source)
+    try:
+        data = get_datafolder(folder)
+        files = data.list_files(glob_pattern=glob)
+    except ImportError as exc:
+        raise StepError(f"cannot read {folder}: {exc} (s3:// needs s3fs: datatrove[s3])") from exc
+    if not files:
+        raise StepError(f"no Parquet file matches {glob!r} under {folder}")
+    tasks = args.tasks or min(len(files), 64)
+    workers = args.workers or min(tasks, len(os.sched_getaffinity(0)))
+    settings = {k: v for k, v in vars(args).items() if k not in ("result", "overwrite", "workers")}
+    settings_guard(out, {**settings, "tasks": tasks}, args.overwrite)
+    log(f"ingest: {len(files)} files under {folder} ({glob}), {tasks} tasks, {workers} workers")
+
+    for executor in build_executors(args, folder, glob, out, tasks, workers):
+        executor.run()
+    rows = count_rows(data, files)  # after the forks: pyarrow's thread pools and fork do not mix
+    stats = stage_stats(out / "logs" / "ingest")
+    by_name = {s["name"]: s["stats"] for s in stats}
+    read = next(s["stats"] for s in stats if "Parquet" in s["name"]).get("documents", 0)
+    length = next(v for k, v in by_name.items() if "Length" in k)
+    dedup = next((v for k, v in by_name.items() if "stage 3" in k), {})
+    written = next(v for k, v in by_name.items() if "Jsonl" in k).get("total", 0)
+    dropped = {
+        "empty": rows - read,
+        "too_short": length.get("dropped_too_short", 0),
+        "too_long": length.get("dropped_too_long", 0),
+        "duplicate": dedup.get("dropped", 0),
+    }
+    if rows - sum(dropped.values()) != written:
+        raise StepError(
+            f"document counts do not add up: {rows} in, {dropped} dropped, {written} out"
+        )
+    outputs = sorted((out / "jsonl").glob("*.jsonl"))
+    log(f"ingest: {rows} documents in, {written} out, dropped {dropped}")
+    return {
+        "input": source,
+        "input_files": len(files),
+        "output_dir": str(out),
+        "jsonl_files": [str(p) for p in outputs],
+        "jsonl_bytes": sum(p.stat().st_size for p in outputs),
+        "docs_in": rows,
+        "docs_out": written,
+        "dropped": dropped,
+        "filters": {"min_chars": args.min_chars, "max_chars": args.max_chars, "dedup": args.dedup},
+        "settings_sha256": hashlib.sha256(
+            json.dumps(settings, sort_keys=True).encode()
+        ).hexdigest(),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jobscripts.ingest", description=__doc__)
+    p.add_argument("--input", help="Parquet directory, glob, or s3:// prefix")
+    p.add_argument("--output-dir", required=True, help="JSONL goes to OUT/jsonl, logs to OUT/logs")
+    p.add_argument("--text-key", default="text")
+    p.add_argument("--id-key", default="id")
+    p.add_argument("--min-chars", type=int, default=1, help="drop shorter documents")
+    p.add_argument("--max-chars", type=int, default=0, help="drop longer documents (0: no limit)")
+    p.add_argument("--no-dedup", dest="dedup", action="store_false", help="keep exact duplicates")
+    p.add_argument("--tasks", type=int, default=0, help="datatrove tasks (default: one per file)")
+    p.add_argument("--workers", type=int, default=0, help="tasks run at once (default: CPUs)")
+    p.add_argument("--overwrite", action="store_true", help="discard a run with other settings")
+    p.add_argument("--hf-repo", help="Hugging Face dataset repo to download first (needs network)")
+    p.add_argument("--hf-allow-pattern", action="append", default=[], help="files to download")
+    p.add_argument("--hf-revision", help="branch, tag or commit of --hf-repo")
+    return p
+
+
+main = entry_point("ingest", parser, ingest, "ingest.json")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""One tokenized shard on disk: written atomically, marked done, recognised on a rerun.
+
+A shard's ``.bin/.idx`` are built under temporary names and renamed into place;
+only then is ``<prefix>.done.json`` written. A rerun trusts a shard only if its
+marker names the same input file (path, size, mtime) and settings, and the files
+on disk still match the marker (``.bin`` size, ``.idx`` sha256): a job killed
+mid-shard, or an input that changed, means the shard is redone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jobscripts.common import log
+from jobscripts.megatron_tokenizer import sha256_file
+from jobscripts.results import read_json, write_json_atomic
+
+
+def marker_path(prefix: Path) -> Path:
+    return prefix.with_name(prefix.name + ".done.json")
+
+
+def shard_identity(path: Path, settings: dict) -> dict:
+    stat = path.stat()
+    return {
+        "input": str(path),
+        "input_bytes": stat.st_size,
+        "input_mtime_ns": stat.st_mtime_ns,
+        **settings,
+    }
+
+
+def finished(prefix: Path, identity: dict) -> dict | None:
+    """The shard's done marker if it is complete and was made from the same input."""
+    marker = marker_path(prefix)
+    if not marker.exists():
+        return None
+    done = read_json(marker)
+    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+    if any(done.get(k) != v for k, v in identity.items()):
+        return None
+    if (
+        not (bin_path.exists() and idx_path.exists())
+        or bin_path.stat().st_size != done["bin_bytes"]
+    ):
+        return None
+    return done if sha256_file(idx_path) == done["idx_sha256"] else None
+
+
+def finalize(builder, tmp: Path, prefix: Path, record: dict, hash_bin: bool, confirm=None) -> dict:
+    """Close the builder, move the files into place, write the done marker last.
+
+    ``confirm()`` runs just before the marker: it may raise to keep the shard unmarked.
+    """
+    builder.finalize(f"{tmp}.idx")
+    os.replace(f"{tmp}.bin", f"{prefix}.bin")
+    os.replace(f"{tmp}.idx", f"{prefix}.idx")
+    record = {
+        **record,
+        "prefix": prefix.name,
+        "bin_bytes": Path(f"{prefix}.bin").stat().st_size,
+        "idx_sha256": sha256_file(f"{prefix}.idx"),
+    }
+    if hash_bin:
+        record["bin_sha256"] = sha256_file(f"{prefix}.bin")
+    if confirm is not None:
+        confirm()
+    write_json_atomic(marker_path(prefix), record)
+    return record
+
+
+class ShardWriter:
+    """One shard's output: an IndexedDatasetBuilder on temp files, moved into place at close."""
+
+    def __init__(self, prefix: Path, identity: dict, dtype, encoder_name: str):
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        self.prefix, self.tmp = prefix, prefix.with_name(f".{prefix.name}.tmp")
+        self.builder = IndexedDatasetBuilder(f"{self.tmp}.bin", dtype=dtype)
+        self.record = {
+            **identity,
+            "documents": 0,
+            "tokens": 0,
+            "text_bytes": 0,
+            "encoder": encoder_name,
+        }
+
+    def add(self, counts, tokens, splits: dict, text_bytes: int) -> int:
+        """Write one encoded batch, a document at a time as preprocess_data does."""
+        offset = 0
+        for i, count in enumerate(counts.tolist()):
+            lengths = splits.get(i) or ([count] if count else [])
+            self.builder.add_document(tokens[offset : offset + count], lengths)
+            offset += count
+        self.record["documents"] += len(counts)
+        self.record["tokens"] += offset
+        self.record["text_bytes"] += text_bytes
+        return offset
+
+    def close(self, hash_bin: bool, confirm=None) -> dict:
+        return finalize(self.builder, self.tmp, self.prefix, self.record, hash_bin, confirm)
+
+
+def merge(records: list[dict], out: Path, name: str, dtype, settings: dict, hash_bin: bool) -> dict:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = out / f"{name}_text_document"
+    identity = {**settings, "parts": [r["idx_sha256"] for r in records]}
+    if done := finished(prefix, identity):
+        log(f"merged dataset {prefix} is up to date")
+        return done
+    tmp = prefix.with_name(f".{prefix.name}.tmp")
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    for record in records:
+        builder.add_index(str(out / record["prefix"]))
+    totals = {k: sum(r[k] for r in records) for k in ("documents", "tokens", "text_bytes")}
+    log(f"merged {len(records)} shards into {prefix}")
+    return finalize(builder, tmp, prefix, {**identity, **totals}, hash_bin)

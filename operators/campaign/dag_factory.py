@@ -100,6 +100,51 @@ def _data_stage(campaign, layout: Layout, retry: dict):
     return group
 
 
+def _finished_task(campaign, layout: Layout):
+    @task(task_id="finished", trigger_rule=TRIGGER_RULE_AFTER_DATA)
+    def finished(params=None) -> int:
+        """Lets export/evaluate/register run only once the campaign reached train_iters."""
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from operators.campaign.remote import read_iteration
+        from operators.slurm.hook import SlurmHook
+
+        iteration = read_iteration(SlurmHook(campaign.cluster.ssh_conn_id), layout)
+        if iteration < int(params["train_iters"]) or params["dry_run"]:
+            raise AirflowSkipException(f"campaign at iteration {iteration}: not finished")
+        return iteration
+
+    return finished()
+
+
+def _register_task(campaign, layout: Layout):
+    @task(task_id="register")
+    def register(ti=None) -> dict | None:
+        """The exported, evaluated model in MLflow's registry, alias ``candidate``."""
+        from operators.campaign.tracking import register as register_model
+        from operators.slurm.hook import SlurmHook
+
+        iteration = ti.xcom_pull(task_ids="finished")
+        evaluation = (ti.xcom_pull(task_ids="evaluate") or {}).get("result")
+        return register_model(campaign, SlurmHook(campaign.cluster.ssh_conn_id), layout,
+                              iteration, evaluation)
+
+    return register()
+
+
+def _finish_stage(campaign, layout: Layout, retry: dict) -> list:
+    conn = campaign.cluster.ssh_conn_id
+    steps = [_finished_task(campaign, layout),
+             SlurmJobOperator(task_id="export", ssh_conn_id=conn,
+                              **stages.export(campaign, layout), **retry),
+             SlurmJobOperator(task_id="evaluate", ssh_conn_id=conn,
+                              **stages.evaluate(campaign, layout), **retry)]
+    if campaign.tracking.enabled:
+        steps.append(_register_task(campaign, layout))
+    chain(*steps)
+    return steps
+
+
 def build_dag(campaign, source: Path | None = None) -> DAG:
     layout = Layout(RunPaths.for_campaign(campaign))
     r = campaign.retries
@@ -122,6 +167,7 @@ def build_dag(campaign, source: Path | None = None) -> DAG:
             chain(*segments)
         if data is not None:
             data >> train
+        train >> _finish_stage(campaign, layout, _retry_args(r.export))[0]
     return dag
 
 

@@ -10,8 +10,7 @@
     <campaign>/pinned_manifest.json  the manifest segment 1 trained on
     <campaign>/mlflow_run_id       the campaign's MLflow parent run
     <campaign>/segments.jsonl      one line per finished segment (segment.json + Slurm record)
-    <campaign>/export/             Hugging Face export of the final checkpoint
-    <campaign>/eval/               evaluation results
+    <campaign>/export/hf/          Hugging Face export of the final checkpoint
 """
 
 from __future__ import annotations
@@ -42,4 +41,7 @@ class Layout:
         self.mlflow_run_id = posixpath.join(c, "mlflow_run_id")
         self.segments_log = posixpath.join(c, "segments.jsonl")
         self.export = posixpath.join(c, "export")
-        self.eval = posixpath.join(c, "eval")
+        self.hf_export = posixpath.join(self.export, "hf")
+        # The last ingested shard. Demo data has no held-out split of its own, so this is an
+        # in-distribution sample; a campaign with a held-out set should point here instead.
+        self.eval_data = posixpath.join(self.jsonl, "00001.jsonl")

@@ -108,6 +108,22 @@ class TrainingSegmentOperator(SlurmJobOperator):
         self.command, self.job = kwargs["command"], kwargs["job"]
         self.environment, self.files = kwargs["environment"], kwargs["files"]
 
+    def _track(self, context, layout: Layout, summary: dict[str, Any]) -> None:
+        """MLflow gets the segment; a tracking failure must not fail the training."""
+        from operators.campaign.tracking import track_segment
+
+        try:
+            track_segment(self.campaign, self.hook, layout, context, summary,
+                          self._rendered_files(context))
+        except Exception:  # noqa: BLE001 - logged, the spool keeps what it can
+            self.log.exception("tracking segment %s in MLflow failed", self.segment)
+
+    def _rendered_files(self, context) -> dict[str, str]:
+        run_dir = context["ti"].xcom_pull(task_ids=self.task_id, key="slurm_job")["run_dir"]
+        names = ("run.json", "bridge.yaml", "job.sbatch")
+        found = {n: self.hook.read_bytes(f"{run_dir}/{n}").decode() for n in names}
+        return {n: text for n, text in found.items() if text}
+
     def _complete(self, context, event: dict[str, Any]) -> Any:
         summary = super()._complete(context, event)  # raises unless success or time limit
         layout = self._layout()
@@ -121,6 +137,7 @@ class TrainingSegmentOperator(SlurmJobOperator):
                                             "log_path": summary["log_path"],
                                             "run_id": context["ti"].run_id,
                                             "task_id": self.task_id})
+        self._track(context, layout, summary)
         try:
             advanced = check_progress(before, after)
         except SegmentNoProgress as exc:  # a retry would loop on the same wall

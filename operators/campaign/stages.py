@@ -11,6 +11,7 @@ from operators.campaign.layout import RESULT_FILE, Layout
 from operators.slurm.operator import python_module_command
 
 MERGED_PREFIX = "corpus"  # -> <data dir>/corpus_text_document.bin/.idx
+EVAL_DOCUMENTS = 32  # documents of the evaluation sample scored per evaluation
 
 
 def stage_job(campaign, cpus: int | None = None) -> dict:
@@ -76,3 +77,21 @@ def tokenize(campaign, layout: Layout) -> dict:
 def token_gate(campaign, layout: Layout, ingest_result: str) -> dict:
     return _stage(campaign, "jobscripts.token_gate", "--dataset-dir", layout.tokens,
                   "--ingest-result", ingest_result, "--output-dir", layout.token_gate)
+
+
+def export(campaign, layout: Layout) -> dict:
+    """Hugging Face safetensors from the latest complete checkpoint, verified after writing."""
+    args = ["--checkpoint-root", layout.checkpoints, "--output", layout.hf_export,
+            "--tokenizer", layout.tokenizer]
+    if campaign.model.recipe is not None:
+        args += ["--bridge", "--hf-model", layout.tokenizer]
+    return _stage(campaign, "jobscripts.export_hf", *args)
+
+
+def evaluate(campaign, layout: Layout) -> dict:
+    """Perplexity and bits per byte on the evaluation sample, plus sample completions."""
+    backend = "transformers" if campaign.model.reference is not None else "vllm"
+    return _stage(campaign, "jobscripts.evaluate", "--model", layout.hf_export,
+                   "--data", layout.eval_data, "--max-model-len", campaign.training.seq_length,
+                   "--backend", backend, "--max-documents", EVAL_DOCUMENTS,
+                  "--max-new-tokens", 32, "--prompt", "The", "--output-dir", ".")

@@ -36,6 +36,19 @@ def record_payload(record) -> dict[str, Any]:
     }
 
 
+def record_from_payload(payload: dict[str, Any]):
+    """The :class:`JobRecord` back from :func:`record_payload`."""
+    from datetime import datetime
+
+    from operators.slurm.parse import JobRecord
+
+    fields = {k: v for k, v in payload.items() if k in JobRecord.__dataclass_fields__}
+    for key in ("submit", "start", "end"):
+        if fields.get(key):
+            fields[key] = datetime.fromisoformat(fields[key])
+    return JobRecord(name=payload.get("name", ""), **fields)
+
+
 def success_summary(event: dict[str, Any], run_dir: str | None, log_path: str | None,
                     result: Any) -> dict[str, Any]:
     """The task's return value (XCom) once its job succeeded: small, JSON, no secrets."""

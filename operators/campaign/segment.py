@@ -24,6 +24,7 @@ from operators.campaign.remote import (
     read_text,
     write_file,
 )
+from operators.slurm.links import MlflowRunLink
 from operators.slurm.operator import SlurmJobOperator
 from operators.slurm.states import Outcome
 
@@ -48,6 +49,8 @@ def pin_manifest(hook, layout: Layout) -> dict | None:
 
 class TrainingSegmentOperator(SlurmJobOperator):
     """Segment ``segment`` of a DAG run: resume from the last checkpoint, train, save."""
+
+    operator_extra_links = (*SlurmJobOperator.operator_extra_links, MlflowRunLink())
 
     def __init__(self, *, campaign, segment: int, **kwargs: Any) -> None:
         super().__init__(

@@ -47,7 +47,7 @@ def campaign_run(tracker, campaign, hook, layout: Layout) -> str | None:
     stored = (read_text(hook, layout.mlflow_run_id) or "").strip() or None
     run_id = tracker.campaign_run(experiment_name(campaign, tracker), campaign.name, stored,
                                   tags={"pp.campaign": campaign.name})
-    if run_id and run_id != stored and not run_id.startswith("ref:"):
+    if run_id and run_id != stored:
         write_file(hook, layout.mlflow_run_id, run_id)
         tracker.log_params(run_id, campaign.model_dump(mode="json"))
     return run_id
@@ -58,6 +58,17 @@ def _log_file(tracker, run_id: str | None, name: str, content: bytes | str) -> N
         path = Path(tmp) / name
         path.write_bytes(content.encode() if isinstance(content, str) else content)
         tracker.log_artifact(run_id, path)
+
+
+def _link_run(tracker, ti, run_id: str | None) -> None:
+    """The task's "MLflow run" extra link."""
+    from operators.slurm.links import MlflowRunLink, mlflow_run_url
+
+    real = tracker.resolve(run_id)
+    if real:
+        experiment = tracker.client.get_run(real).info.experiment_id
+        ti.xcom_push(key=MlflowRunLink().xcom_key,
+                     value=mlflow_run_url(tracker.client.tracking_uri, experiment, real))
 
 
 def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, Any],
@@ -75,15 +86,19 @@ def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, An
     child = tracker.child_run(parent, f"{ti.task_id} ({ti.run_id})",
                               tags={"pp.stage": "train", "pp.segment": ti.task_id},
                               key=f"{ti.run_id}/{ti.task_id}/{ti.map_index}")
+    _link_run(tracker, ti, child)
     log = hook.read_bytes(summary["log_path"], 0, 256 << 20).decode("utf-8", "replace")
     records = list(logparse.parse_lines(log.splitlines()))
     t = campaign.training
+    job = record_from_payload(summary["record"])
+    # The job's start as every value's timestamp: a retried task re-sends the same values,
+    # which MLflow then drops instead of doubling the curve.
+    stamp = int(job.start.timestamp() * 1000) if job.start else None
     for run_id in (child, parent):
         tracker.log_metrics(run_id, records, seq_length=t.seq_length,
-                            global_batch_size=t.global_batch_size)
+                            global_batch_size=t.global_batch_size, timestamp_ms=stamp)
     result = summary.get("result") or {}
-    tracker.log_accounting(child, record_from_payload(summary["record"]),
-                           step=result.get("end_iteration") or 0)
+    tracker.log_accounting(child, job, step=result.get("end_iteration") or 0)
     if result.get("checkpoint"):
         tracker.record_checkpoint(parent, result["checkpoint"]["path"],
                                   result["checkpoint"].get("iteration"))

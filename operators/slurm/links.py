@@ -40,3 +40,11 @@ class SlurmJobLink(_XComLink):
 
 class SlurmLogLink(_XComLink):
     name = "Slurm log"
+
+
+class MlflowRunLink(_XComLink):
+    name = "MLflow run"
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"

@@ -22,9 +22,11 @@ from operators.tracking.limits import (
 
 REDACTED = "***"
 # Key names that hold credentials in configs and environments (HF_TOKEN, WANDB_API_KEY,
-# AWS_SECRET_ACCESS_KEY, db passwords, ...).
+# AWS_SECRET_ACCESS_KEY, db_password, auth_header, ...), as whole words between non-letters, so
+# that data.tokenizer or num_tokens stay visible.
 _SECRET_KEY = re.compile(
-    r"(secret|passw|token|api[_-]?key|access[_-]?key|credential|private[_-]?key|auth)",
+    r"(?:^|[^a-z0-9])(token|auth|authorization|api_?key|access_?key|private_?key|secret\w*|"
+    r"passw\w*|credentials?)(?:$|[^a-z0-9])",
     re.IGNORECASE,
 )
 

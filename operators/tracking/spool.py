@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from operators.tracking import ops as tracking_ops
@@ -101,26 +102,26 @@ class Spool:
         # (ops are idempotent); skipping would lose ops.
         return offset if offset <= size else 0
 
-    def pending(self) -> list[tuple[int, dict | str]]:
-        """(end offset, op) for each op after the watermark; unreadable lines as raw text."""
+    def pending(self) -> Iterator[tuple[int, dict | str]]:
+        """(end offset, op) for each op after the watermark, read lazily (a long outage can
+        spool a million values); unreadable lines come as raw text."""
         if not self.ops_path.exists():
-            return []
+            return
         with open(self.ops_path, "rb") as f:
             f.seek(self.watermark())
-            start, found = f.tell(), []
+            end = f.tell()
             for line in f:
-                start += len(line)
+                end += len(line)
                 text = line.decode(errors="replace").strip()
                 if not text:
                     continue
                 try:
-                    found.append((start, json.loads(text)))
+                    yield end, json.loads(text)
                 except ValueError:
-                    found.append((start, text))
-        return found
+                    yield end, text
 
     def backlog(self) -> int:
-        return len(self.pending())
+        return sum(1 for _ in self.pending())
 
     # -- bookkeeping ---------------------------------------------------------------------
     def mark_sent(self, offset: int, op_id: str | None) -> None:

@@ -2,9 +2,14 @@
 
 Every call first replays the spool (so a recovered server gets the backlog before anything
 newer), then sends; when MLflow is down it writes the ops to the spool instead and returns.
-Errors other than an outage are logged and the op set aside in the spool's ``rejected.jsonl``:
-a tracking bug must not fail a segment that trained fine. ``None`` as a run id (MLflow was down
-when the campaign's first run should have been created) makes every call a logged no-op.
+Data calls never raise for MLflow: errors other than an outage are logged and the op set aside
+in the spool's ``rejected.jsonl`` (a tracking bug must not fail a segment that trained fine).
+Run creation raises on errors other than an outage (bad names, permissions: found on the first
+run). ``None`` as a run id (MLflow was down when the campaign's first run should have been
+created) makes every call a logged no-op.
+
+MLflow's own client retries a dead server for minutes; a ``/health`` probe (3 s timeout) before
+each call makes a known outage cost nothing (availability.py).
 
     tracker = Tracker(make_client(settings), spool_dir)
     parent = tracker.campaign_run("exp", "demo", stored_run_id)   # None when down
@@ -46,16 +51,23 @@ class Tracker:
             return 0
         return flush(self.spool, self.client, self._refs)
 
+    def _spool(self, batch: list[dict]) -> None:
+        try:
+            self.spool.append(batch)
+        except OSError:  # disk full, artifact gone: lose the tracking data, not the training
+            log.exception("could not spool %d tracking ops to %s; they are lost", len(batch),
+                          self.spool.dir)
+
     def _submit(self, batch: list[dict]) -> None:
         """Send ``batch`` in order, or spool what could not be sent because MLflow is down."""
         if not batch:
             return
         if not self._up():
-            self.spool.append(batch)
+            self._spool(batch)
             return
         self.flush()
         if self.spool.ops_path.exists():  # the replay stopped at an outage: keep the order
-            self.spool.append(batch)
+            self._spool(batch)
             return
         for i, op in enumerate(batch):
             try:
@@ -64,7 +76,7 @@ class Tracker:
                 if is_unavailable(exc):
                     log.warning("MLflow unavailable; spooling %d ops in %s: %s",
                                 len(batch) - i, self.spool.dir, exc)
-                    self.spool.append(batch[i:])
+                    self._spool(batch[i:])
                     return
                 log.exception("MLflow refused tracking op %s; set aside in %s", op["id"],
                               self.spool.rejected_path)
@@ -78,9 +90,16 @@ class Tracker:
 
     # -- runs ------------------------------------------------------------------------------
     def campaign_run(self, experiment: str, campaign_name: str, stored_run_id: str | None,
-                     **kwargs: Any) -> str | None:
-        """``runs.ensure_campaign_run``; the stored id unchanged when MLflow is down (None if
-        there was none: nothing can be logged for this campaign until it is back)."""
+                     tags: Mapping[str, Any] | None = None,
+                     artifact_location: str | None = None) -> str | None:
+        """``runs.ensure_campaign_run`` (artifact location: the connection's by default); the
+        stored id unchanged when MLflow is down (None if there was none: nothing is tracked for
+        this DAG run then)."""
+        settings = getattr(self.client, "settings", None)
+        if artifact_location is None and settings is not None:
+            artifact_location = settings.artifact_location
+        kwargs = {"tags": params.clean_tags(tags or {}, self._secrets),
+                  "artifact_location": artifact_location}
         if not self._up():
             log.warning("MLflow down: campaign %s continues without re-opening its run",
                         campaign_name)
@@ -111,8 +130,21 @@ class Tracker:
                 except Exception as exc:
                     if not is_unavailable(exc):
                         raise
-        self.spool.append([ops.child_op(parent_id, name, key, tags)])
+        self._spool([ops.child_op(parent_id, name, key, tags)])
         return ops.child_ref(parent_id, key)
+
+    def resolve(self, run_id: str | None) -> str | None:
+        """The real id behind a deferred child reference (for links), or None while its run
+        does not exist yet; real ids are returned as they are."""
+        if run_id is None or not run_id.startswith(ops.CHILD_REF):
+            return run_id
+        if run_id not in self._refs and self._up():
+            self.flush()
+            try:
+                ops.resolve(self.client, run_id, self._refs)
+            except Exception as exc:
+                log.warning("run %s not resolved yet: %s", run_id, exc)
+        return self._refs.get(run_id)
 
     def finish(self, run_id: str | None, status: str = "FINISHED") -> None:
         if not self._skip(run_id, "finish"):

@@ -81,9 +81,7 @@ def test_gates_passed_and_manifest_pinned(campaign_run) -> None:
     assert json.loads((CAMPAIGN / "pinned_manifest.json").read_text()) == manifest
     assert manifest["total"]["documents"] > 100 and manifest["total"]["tokens"] > 100_000
     for stage in ("raw_gate", "token_gate"):
-        run_dirs = [p for p in RUNS.glob(f"pp-data.{stage}-*") if CAMPAIGN.name in
-                    (p / "job.sbatch").read_text()]
-        result = json.loads((run_dirs[0] / "result.json").read_text())
+        result = json.loads((_newest_run_dir(f"data.{stage}") / "result.json").read_text())
         assert result["ok"] is True, stage
     assert any((data / "raw_gate").rglob("*.html"))  # GX Data Docs
 
@@ -103,6 +101,13 @@ def test_every_document_decodes_back_to_its_text(campaign_run) -> None:
         ids = dataset[i].tolist()
         assert ids[-1] == eod, i
         assert tokenizer.decode(ids[:-1], skip_special_tokens=False) == text, i
+
+
+def _newest_run_dir(task_id: str) -> Path:
+    """This campaign's latest job directory for ``task_id`` (other DAGs share task ids)."""
+    mine = [p for p in RUNS.glob(f"pp-{task_id}-*") if str(CAMPAIGN) in
+            (p / "job.sbatch").read_text()]
+    return max(mine, key=lambda p: p.stat().st_mtime)
 
 
 def _lines(path: Path) -> list[str]:
@@ -136,3 +141,18 @@ def test_split_run_matches_uncut_run(campaign_run, tmp_path) -> None:
     for iteration, loss in split.items():
         assert math.isclose(loss, uncut[iteration], rel_tol=1e-6), iteration
     assert logparse  # the parser above is the one the DAG uses for MLflow
+
+
+def test_export_and_evaluation_ran_on_the_cluster(campaign_run) -> None:
+    export = CAMPAIGN / "export" / "hf"
+    assert (export / "config.json").exists() and (export / "tokenizer.json").exists()
+    run_dir = _newest_run_dir("export")
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["ok"] and result["iteration"] == 30
+    assert result["verification"]["max_abs_logit_diff"] <= result["verification"]["atol"]
+    run_dir = _newest_run_dir("evaluate")
+    evaluation = json.loads((run_dir / "result.json").read_text())
+    assert evaluation["ok"] and math.isfinite(evaluation["perplexity"])
+    # Better than a uniform guess over the 1,024-token vocabulary after 30 iterations.
+    assert evaluation["perplexity"] < 1024 and evaluation["bits_per_byte"] > 0
+    assert {s["temperature"] for s in evaluation["samples"]} == {0.0, 0.8}

@@ -104,6 +104,7 @@ def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, An
                                   result["checkpoint"].get("iteration"))
     for name, content in {**files, "job.log": log}.items():
         _log_file(tracker, child, name, content)
+    tracker.finish(child, "FINISHED")
 
 
 def register(campaign, hook, layout: Layout, iteration: int,

@@ -57,8 +57,13 @@ class BackgroundCheck:
     """``verdict`` computed in a forked child; ``result()`` waits for it (once)."""
 
     def __init__(self, tokenizer_dir: Path, sample: list, requested: str, legacy: bool):
-        # fork, not spawn: the child must not pay megatron's ~18 s import again. The parent
-        # has started no thread yet, so forking is safe.
+        # Import megatron (~18 s) before forking, so that parent and child import it once.
+        import megatron.core.datasets.indexed_dataset  # noqa: F401
+        import megatron.core.tokenizers  # noqa: F401
+
+        # fork, not spawn: the child must not pay megatron's ~18 s import again. Forking is
+        # safe here: the encoding threads start after it, and the child uses neither them
+        # nor pyarrow (whose own pool may already run in the parent).
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         self._process = context.Process(
@@ -68,6 +73,9 @@ class BackgroundCheck:
         send.close()
         self._verdict: dict | None = None
 
+    def ready(self) -> bool:
+        return self._verdict is not None or self._receive.poll()
+
     def result(self) -> dict:
         if self._verdict is None:
             try:
@@ -76,5 +84,27 @@ class BackgroundCheck:
                 self._verdict = {"error": f"the check process died (exit {self._process.exitcode})"}
             self._process.join()
         if "error" in self._verdict:
-            raise StepError(f"checking the encoder against Megatron failed: {self._verdict['error']}")
+            raise StepError(
+                f"checking the encoder against Megatron failed: {self._verdict['error']}"
+            )
         return self._verdict
+
+
+class GuessRejected(Exception):
+    """Megatron's tokenizer disagrees with the encoder or numbers tokenization started with."""
+
+
+class Guess:
+    """(encoder name, vocabulary size, EOD) that tokenization started with, being checked."""
+
+    def __init__(self, check: BackgroundCheck, expected: tuple):
+        self.check, self.expected = check, expected
+
+    def ready(self) -> bool:
+        return self.check.ready()
+
+    def confirm(self) -> None:
+        verdict = self.check.result()
+        got = (verdict["report"].get("encoder"), verdict["vocab_size"], verdict["eod"])
+        if got != self.expected:
+            raise GuessRejected(verdict)

@@ -145,9 +145,10 @@ def _snake(name: str) -> str:
 def summarize(name, column, words, kwargs, success, result) -> dict:
     """A plain-JSON view of one GX result: observed value, threshold, example lines."""
     if "observed_value" in result:
-        observed = float(result["observed_value"])
-        if name == "duplicate_rate":  # GX observes the unique share; report the duplicate rate
-            observed = 1.0 - observed
+        observed = result["observed_value"]  # None when the column holds no value at all
+        observed = None if observed is None else float(observed)
+        if name == "duplicate_rate" and observed is not None:
+            observed = 1.0 - observed  # GX observes the unique share; report the duplicate rate
     else:
         observed = {
             "unexpected_count": int(result.get("unexpected_count", 0)),

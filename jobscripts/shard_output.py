@@ -48,11 +48,12 @@ def finished(prefix: Path, identity: dict) -> dict | None:
     return done if sha256_file(idx_path) == done["idx_sha256"] else None
 
 
-def finalize(builder, tmp: Path, prefix: Path, record: dict, hash_bin: bool, confirm=None) -> dict:
-    """Close the builder, move the files into place, write the done marker last.
+def mark_done(record: dict, directory: Path) -> None:
+    write_json_atomic(marker_path(directory / record["prefix"]), record)
 
-    ``confirm()`` runs just before the marker: it may raise to keep the shard unmarked.
-    """
+
+def finalize(builder, tmp: Path, prefix: Path, record: dict, hash_bin: bool, mark=True) -> dict:
+    """Close the builder, move the files into place; write the done marker last if ``mark``."""
     builder.finalize(f"{tmp}.idx")
     os.replace(f"{tmp}.bin", f"{prefix}.bin")
     os.replace(f"{tmp}.idx", f"{prefix}.idx")
@@ -64,27 +65,20 @@ def finalize(builder, tmp: Path, prefix: Path, record: dict, hash_bin: bool, con
     }
     if hash_bin:
         record["bin_sha256"] = sha256_file(f"{prefix}.bin")
-    if confirm is not None:
-        confirm()
-    write_json_atomic(marker_path(prefix), record)
+    if mark:
+        mark_done(record, prefix.parent)
     return record
 
 
 class ShardWriter:
     """One shard's output: an IndexedDatasetBuilder on temp files, moved into place at close."""
 
-    def __init__(self, prefix: Path, identity: dict, dtype, encoder_name: str):
+    def __init__(self, prefix: Path, identity: dict, dtype, facts: dict):
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
         self.prefix, self.tmp = prefix, prefix.with_name(f".{prefix.name}.tmp")
         self.builder = IndexedDatasetBuilder(f"{self.tmp}.bin", dtype=dtype)
-        self.record = {
-            **identity,
-            "documents": 0,
-            "tokens": 0,
-            "text_bytes": 0,
-            "encoder": encoder_name,
-        }
+        self.record = {**identity, **facts, "documents": 0, "tokens": 0, "text_bytes": 0}
 
     def add(self, counts, tokens, splits: dict, text_bytes: int) -> int:
         """Write one encoded batch, a document at a time as preprocess_data does."""
@@ -98,8 +92,9 @@ class ShardWriter:
         self.record["text_bytes"] += text_bytes
         return offset
 
-    def close(self, hash_bin: bool, confirm=None) -> dict:
-        return finalize(self.builder, self.tmp, self.prefix, self.record, hash_bin, confirm)
+    def close(self, hash_bin: bool) -> dict:
+        """Files in place, not yet marked done: the caller marks them (mark_done)."""
+        return finalize(self.builder, self.tmp, self.prefix, self.record, hash_bin, mark=False)
 
 
 def merge(records: list[dict], out: Path, name: str, dtype, settings: dict, hash_bin: bool) -> dict:

@@ -13,9 +13,14 @@ shard, ``OUT/<shard stem>_text_document``; ``--merge NAME`` also concatenates
 them into ``OUT/NAME_text_document`` with ``builder.add_index``.
 
 Speed: documents stream from the shards in order on the main thread, batches of
-about ``--batch-bytes`` are encoded on ``--workers`` threads by the fastest
-encoder verified to give Megatron's ids, and the main thread writes them in
-order. Memory holds a few batches, whatever the corpus size.
+about ``--batch-bytes`` are encoded on ``--workers`` threads (tiktoken and HF
+tokenizers release the GIL), and the main thread writes them in order. Memory
+holds a few batches, whatever the corpus size. The encoder is tiktoken rebuilt
+from the tokenizer's vocabulary and merges; it starts at once while a forked
+process builds Megatron's own tokenizer and compares ids on a sample plus probes
+(jobscripts.encoder_check). No shard is marked done before that verdict; a
+negative one redoes the shards with the next encoder that matches (HF tokenizers,
+else Megatron's tokenizer itself).
 
 Resumable: a finished shard leaves ``<prefix>.done.json``; a rerun skips shards
 whose marker matches the input file, tokenizer and outputs. ``manifest.json`` is
@@ -32,12 +37,16 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
+
 from jobscripts import manifest as manifest_lib
 from jobscripts.common import StepError, entry_point, log
-from jobscripts.doc_encoder import choose, encode_batch
+from jobscripts.doc_encoder import Encoder, choose, encode_batch
 from jobscripts.doc_stream import describe_location, iter_documents, list_inputs, shard_stem
+from jobscripts.encoder_check import BackgroundCheck, Guess, GuessRejected, files_view
+from jobscripts.fast_encoder import TiktokenEncoder, Unsupported, tiktoken_spec
 from jobscripts.megatron_tokenizer import load, output_dtype, sha256_file
-from jobscripts.shard_output import ShardWriter, finished, merge, shard_identity
+from jobscripts.shard_output import ShardWriter, finished, mark_done, merge, shard_identity
 
 PROGRESS_EVERY_S = 10.0
 
@@ -89,8 +98,23 @@ class Progress:
             )
 
 
-def tokenize_shards(todo, encoder, eod, dtype, args, progress) -> list[dict]:
-    """Encode the pending shards on a thread pool; write each through its own builder."""
+def tokenize_shards(todo, encoder, eod, facts, args, progress, guess=None) -> list[dict]:
+    """Encode the pending shards on a thread pool; write each through its own builder.
+
+    A finished shard is marked done at once, or, when tokenization runs on a ``guess``,
+    as soon as the guess is confirmed (never blocking before the last shard).
+    """
+    dtype = np.dtype(facts["dtype"]).type
+    out = todo[0][1].parent
+    unmarked: list[dict] = []
+
+    def mark(wait: bool) -> None:
+        if unmarked and (guess is None or wait or guess.ready()):
+            if guess is not None:
+                guess.confirm()  # raises GuessRejected: nothing of this run gets marked
+            for record in unmarked:
+                mark_done(record, out)
+            unmarked.clear()
 
     def work():  # (shard index, batch), in input order, across shard boundaries
         for index, (path, _prefix, _identity) in enumerate(todo):
@@ -119,7 +143,8 @@ def tokenize_shards(todo, encoder, eod, dtype, args, progress) -> list[dict]:
             if index != current:
                 if writer is not None:
                     records.append(writer.close(args.hash_bin))
-                writer, current = ShardWriter(prefix, identity, dtype, encoder.name), index
+                    unmarked.append(records[-1])
+                writer, current = ShardWriter(prefix, identity, dtype, facts), index
                 log(f"tokenizing {path} -> {prefix}")
             try:
                 counts, tokens, splits, text_bytes = future.result()
@@ -128,9 +153,53 @@ def tokenize_shards(todo, encoder, eod, dtype, args, progress) -> list[dict]:
                 raise StepError(f"{where} (batch starting here): cannot encode: {exc}") from exc
             written = writer.add(counts, tokens, splits, text_bytes)
             progress.add(len(texts), written, text_bytes, path.name)
+            mark(wait=False)
         if writer is not None:
             records.append(writer.close(args.hash_bin))
+            unmarked.append(records[-1])
+        mark(wait=True)
     return records
+
+
+def facts_of(vocab_size: int, eod: int, encoder: str) -> dict:
+    return {"vocab_size": vocab_size, "eod_id": eod, "dtype": output_dtype(vocab_size).__name__,
+            "encoder": encoder}  # fmt: skip
+
+
+def fast_start(todo, tokenizer_dir: Path, sample: list, args, progress) -> tuple | None:
+    """Tokenize with tiktoken at once while a forked child checks it; None if it is rejected."""
+    if args.legacy_tokenizer or args.encoder not in ("auto", "tiktoken"):
+        return None  # the legacy BOS wrapping needs Megatron's tokenizer up front
+    try:
+        encoder = Encoder(
+            "tiktoken", TiktokenEncoder(tiktoken_spec(tokenizer_dir / "tokenizer.json")).encode
+        )
+    except Unsupported:
+        return None
+    vocab_size, eod = files_view(tokenizer_dir)
+    if eod is None:
+        return None  # let the Megatron path report it
+    check = BackgroundCheck(tokenizer_dir, sample, args.encoder, legacy=False)
+    guess = Guess(check, ("tiktoken", vocab_size, eod))
+    facts = facts_of(vocab_size, eod, "tiktoken")
+    try:
+        records = tokenize_shards(todo, encoder, eod, facts, args, progress, guess)
+    except GuessRejected as exc:
+        log(f"encoder check: Megatron disagrees ({exc.args[0]}); tokenizing again")
+        return None
+    return facts, guess.check.result()["report"], records, progress
+
+
+def checked_start(todo, tokenizer_dir: Path, sample: list, args) -> tuple:
+    """Build Megatron's tokenizer first, pick the encoder, then tokenize (the slow, sure way)."""
+    reference = load(tokenizer_dir, legacy=args.legacy_tokenizer)
+    if reference.eod is None:
+        raise StepError(f"{tokenizer_dir}: the tokenizer has no eos_token, so no EOD to append")
+    encoder, report = choose(tokenizer_dir, reference, sample, args.encoder, args.legacy_tokenizer)
+    facts = facts_of(reference.vocab_size, reference.eod, encoder.name)
+    progress = Progress()
+    records = tokenize_shards(todo, encoder, reference.eod, facts, args, progress)
+    return facts, report, records, progress
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -144,20 +213,15 @@ def run(args: argparse.Namespace) -> dict:
     if len(set(stems)) != len(stems):
         raise StepError(f"input shards share a file name stem, outputs would collide: {stems}")
     tokenizer_dir = Path(args.tokenizer)
-    reference = load(tokenizer_dir, legacy=args.legacy_tokenizer)
-    vocab_size, eod = reference.vocab_size, reference.eod
-    if eod is None:
-        raise StepError(f"{tokenizer_dir}: the tokenizer has no eos_token, so no EOD to append")
-    dtype = output_dtype(vocab_size)
-    settings = {
-        "tokenizer_sha256": sha256_file(tokenizer_dir / "tokenizer.json"),
-        "legacy_tokenizer": args.legacy_tokenizer,
-        "json_key": args.json_key,
-        "append_eod": True,
-        "vocab_size": vocab_size,
-        "eod_id": eod,
-        "dtype": dtype.__name__,
-    }
+    import_start = time.monotonic()
+    import megatron.core.datasets.indexed_dataset  # noqa: F401  (~20 s: torch and most of mcore)
+    import megatron.core.tokenizers  # noqa: F401
+
+    log(f"megatron-core imported in {time.monotonic() - import_start:.1f} s")
+    # What a shard's output depends on; the vocabulary size, EOD and dtype follow from these.
+    settings = {"tokenizer_sha256": sha256_file(tokenizer_dir / "tokenizer.json"),
+                "legacy_tokenizer": args.legacy_tokenizer, "json_key": args.json_key,
+                "append_eod": True}  # fmt: skip
     done, todo = [], []
     for path, stem in zip(shards, stems, strict=True):
         prefix, identity = out / f"{stem}_text_document", shard_identity(path, settings)
@@ -166,18 +230,19 @@ def run(args: argparse.Namespace) -> dict:
             done.append(record)
         else:
             todo.append((path, prefix, identity))
-    progress = Progress()
-    encoder_report = {}
+    progress, report = Progress(), {}
     if todo:
         sample = verification_sample([p for p, _x, _i in todo], args)
-        encoder, encoder_report = choose(
-            tokenizer_dir, reference, sample, args.encoder, args.legacy_tokenizer
-        )
-        progress = Progress()  # rates count the tokenization, not the encoder check
-        done += tokenize_shards(todo, encoder, eod, dtype, args, progress)
+        fast = fast_start(todo, tokenizer_dir, sample, args, progress)
+        facts, report, records, progress = fast or checked_start(todo, tokenizer_dir, sample, args)
+        done += records
+    else:
+        facts = {k: done[0][k] for k in ("vocab_size", "eod_id", "dtype")}
+    settings.update({k: facts[k] for k in ("vocab_size", "eod_id", "dtype")})
     records = sorted(done, key=lambda r: r["prefix"])
     shard_records = records
     if args.merge:
+        dtype = np.dtype(settings["dtype"]).type
         records = [merge(records, out, args.merge, dtype, settings, args.hash_bin)]
     manifest = manifest_lib.build(records, settings, shards=shard_records if args.merge else None)
     manifest_lib.write(out / "manifest.json", manifest)  # last: it certifies everything above
@@ -192,10 +257,10 @@ def run(args: argparse.Namespace) -> dict:
         "tokenized_shards": len(todo),
         "documents": manifest["total"]["documents"],
         "tokens": manifest["total"]["tokens"],
-        "vocab_size": vocab_size,
-        "eod_id": eod,
-        "dtype": dtype.__name__,
-        "encoder": encoder_report,
+        "vocab_size": settings["vocab_size"],
+        "eod_id": settings["eod_id"],
+        "dtype": settings["dtype"],
+        "encoder": report,
         "tokens_per_s_this_run": round(progress.tokens / elapsed, 1) if progress.tokens else None,
     }
 

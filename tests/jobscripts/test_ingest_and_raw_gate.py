@@ -1,0 +1,201 @@
+"""Demo corpus -> ingest -> raw gate, and a bad corpus that the raw gate must stop."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.jobscripts.conftest import run_main
+
+
+def test_demo_corpus_has_fineweb_layout_and_is_deterministic(demo_parquet, tmp_path):
+    from jobscripts.demo_corpus import main
+
+    files = sorted(Path(demo_parquet["output_dir"]).glob("*.parquet"))
+    assert len(files) == 2 and demo_parquet["text_bytes"] >= 250_000
+    columns = pq.read_schema(files[0]).names
+    assert {"text", "id", "url", "source"} <= set(columns)
+    # same seed and size -> same documents; another seed -> another selection
+    argv = ["--target-bytes", "60000", "--shards", "1"]
+    run_main(main, [*argv, "--output-dir", str(tmp_path / "a")], tmp_path / "a.json")
+    run_main(main, [*argv, "--output-dir", str(tmp_path / "b")], tmp_path / "b.json")
+    run_main(main, [*argv, "--seed", "7", "--output-dir", str(tmp_path / "c")], tmp_path / "c.json")
+    a, b, c = (
+        pq.read_table(tmp_path / x / "000_00000.parquet").column("id").to_pylist() for x in "abc"
+    )
+    assert a == b and a != c
+
+
+def test_ingest_writes_jsonl_and_counts(ingested, demo_parquet):
+    assert ingested["docs_in"] == demo_parquet["documents"] == ingested["docs_out"]
+    assert ingested["dropped"] == {"empty": 0, "too_short": 0, "too_long": 0, "duplicate": 0}
+    lines = [
+        json.loads(x) for f in ingested["jsonl_files"] for x in Path(f).read_text().splitlines()
+    ]
+    assert len(lines) == ingested["docs_out"] and all(d["text"] and d["id"] for d in lines)
+    assert all(f.endswith(".jsonl") for f in ingested["jsonl_files"])  # uncompressed: seekable
+
+
+def test_ingest_filters_each_reason_and_dedups_deterministically(tmp_path):
+    from jobscripts.ingest import main
+
+    rows = [
+        ("keep me, I am long enough", "a"),
+        ("", "b"),
+        (None, "c"),
+        ("duplicate text here", "d"),
+        ("duplicate text here", "e"),
+        ("tiny", "f"),
+        ("x" * 500, "g"),
+        ("another fine document", "h"),
+    ]
+    src = tmp_path / "in"
+    src.mkdir()
+    table = pa.table({"text": [r[0] for r in rows], "id": [r[1] for r in rows]})
+    pq.write_table(table.slice(0, 4), src / "000_00000.parquet")
+    pq.write_table(table.slice(4), src / "000_00001.parquet")
+    argv = [
+        "--input",
+        str(src / "*.parquet"),
+        "--min-chars",
+        "5",
+        "--max-chars",
+        "100",
+        "--workers",
+        "1",
+    ]
+    code, result, _ = run_main(
+        main, [*argv, "--output-dir", str(tmp_path / "o1")], tmp_path / "r1.json"
+    )
+    assert code == 0, result
+    assert result["docs_in"] == 8 and result["docs_out"] == 3
+    assert result["dropped"] == {"empty": 2, "too_short": 1, "too_long": 1, "duplicate": 1}
+    texts = [
+        json.loads(x)["text"]
+        for f in result["jsonl_files"]
+        for x in Path(f).read_text().splitlines()
+    ]
+    assert sorted(texts) == sorted(
+        ["keep me, I am long enough", "duplicate text here", "another fine document"]
+    )
+    # deterministic: a second run in another directory writes the same bytes
+    run_main(main, [*argv, "--output-dir", str(tmp_path / "o2")], tmp_path / "r2.json")
+    for name in ("00000.jsonl", "00001.jsonl"):
+        assert (tmp_path / "o1/jsonl" / name).read_bytes() == (
+            tmp_path / "o2/jsonl" / name
+        ).read_bytes()
+    # other settings into the same directory are refused, not silently resumed
+    code, result, _ = run_main(
+        main,
+        [*argv[:-2], "--no-dedup", "--workers", "1", "--output-dir", str(tmp_path / "o1")],
+        tmp_path / "r3.json",
+    )
+    assert code == 1 and "other settings" in result["error"]
+
+
+def test_hf_download_fails_at_once_when_offline(tmp_path, monkeypatch):
+    from jobscripts.ingest import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    code, result, _ = run_main(
+        main,
+        [
+            "--hf-repo",
+            "HuggingFaceFW/fineweb",
+            "--hf-allow-pattern",
+            "sample/10BT/000_*.parquet",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        tmp_path / "r.json",
+    )
+    assert code == 1 and time.monotonic() - started < 5
+    assert "HF_HUB_OFFLINE" in result["error"] and "offline" in result["error"]
+
+
+def test_raw_gate_passes_on_demo_and_writes_data_docs(ingested, work):
+    from jobscripts.raw_gate import main
+
+    out = work / "raw_gate"
+    code, result, log = run_main(
+        main,
+        ["--input", str(work / "ingest/jsonl"), "--output-dir", str(out)],
+        out / "raw_gate.json",
+    )
+    assert code == 0, result.get("error", result)
+    names = [e["name"] for e in result["expectations"]]
+    assert names == [
+        "lines_valid",
+        "text_present",
+        "text_length",
+        "id_present",
+        "id_unique",
+        "duplicate_rate",
+        "replacement_share",
+        "nonprintable_share",
+    ]
+    assert all(
+        e["success"] and "observed_value" in e and e["threshold"] for e in result["expectations"]
+    )
+    assert result["sampled"] == ingested["docs_out"]
+    assert Path(result["data_docs"]).is_file() and "PASS duplicate_rate" in log
+
+
+def bad_corpus(path: Path) -> None:
+    lines = [
+        json.dumps({"id": "1", "text": "A perfectly normal document."}).encode(),
+        json.dumps({"id": "2", "text": None}).encode(),  # null text
+        json.dumps({"id": "3", "text": ""}).encode(),  # empty
+        b'{"id": "4", "text": "caf\xe9 latin-1 bytes"}',  # invalid UTF-8
+        json.dumps({"id": "5", "text": "Same words twice."}).encode(),
+        json.dumps({"id": "6", "text": "Same words twice."}).encode(),  # duplicate text
+        b'{"id": "7", "text": "unterminated',  # malformed JSON
+        json.dumps({"id": "1", "text": "Another id one."}).encode(),  # duplicate id
+        json.dumps(
+            {"id": "9", "text": "mojibake \ufffd\ufffd\ufffd and \x00\x01 controls"}
+        ).encode(),
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_raw_gate_stops_a_bad_corpus_with_reasons_and_lines(tmp_path):
+    from jobscripts.raw_gate import main
+
+    bad_corpus(tmp_path / "bad.jsonl")
+    code, result, _ = run_main(
+        main,
+        [
+            "--input",
+            str(tmp_path / "bad.jsonl"),
+            "--output-dir",
+            str(tmp_path / "gate"),
+            "--max-duplicate-rate",
+            "0.05",
+        ],
+        tmp_path / "r.json",
+    )
+    assert code == 1 and result["ok"] is False
+    error = result["error"]
+    failed = {e["name"]: e for e in result["expectations"] if not e["success"]}
+    assert set(failed) == {
+        "lines_valid",
+        "text_present",
+        "text_length",
+        "id_unique",
+        "duplicate_rate",
+        "replacement_share",
+        "nonprintable_share",
+    }
+    assert "bad.jsonl:4: invalid UTF-8" in error and "bad.jsonl:7: malformed JSON" in error
+    assert "bad.jsonl:2" in str(failed["text_present"]["examples"])
+    assert "bad.jsonl:3" in str(failed["text_length"]["examples"])
+    assert {"bad.jsonl:1", "bad.jsonl:8"} <= set(failed["id_unique"]["examples"])
+    assert failed["duplicate_rate"]["observed_value"] > 0.05
+    for name in failed:
+        assert f"{name}: observed" in error
+    assert Path(tmp_path / "gate/data_docs/index.html").is_file()

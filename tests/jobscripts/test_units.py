@@ -1,0 +1,135 @@
+"""Pure pieces: blends, the tiktoken translation's limits, the JSONL scan, the CLI contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobscripts import blend
+
+
+def test_blend_renders_megatrons_flat_list():
+    entries = [(30, "/d/a_text_document"), {"weight": "70", "prefix": "/d/b_text_document"}]
+    assert blend.render(entries) == ["30", "/d/a_text_document", "70", "/d/b_text_document"]
+    assert blend.render([(0.25, "/x")]) == ["0.25", "/x"]
+    assert [w for w, _p in blend.normalized(entries)] == [0.3, 0.7]
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ([], "empty"),
+        ([(0, "/a")], "positive"),
+        ([(-1, "/a")], "positive"),
+        ([("nan", "/a")], "positive"),
+        ([("abc", "/a")], "not a number"),
+        ([(1, "/a"), (2, "/a")], "twice"),
+        ([(1, "/a.bin")], ".bin"),
+        ([(1, "")], "non-empty"),
+        ([(1,)], "expected"),
+        ([{"weight": 1}], "missing"),
+    ],
+)
+def test_blend_rejects_bad_entries(entries, message):
+    with pytest.raises(blend.BlendError, match=message):
+        blend.validate(entries)
+
+
+def test_blend_reports_prefixes_missing_on_the_cluster(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"")
+    (tmp_path / "a.idx").write_bytes(b"")
+    (tmp_path / "b.bin").write_bytes(b"")
+    entries = [(1, str(tmp_path / "a")), (1, str(tmp_path / "b"))]
+    assert blend.missing_prefixes(entries) == [str(tmp_path / "b")]
+
+
+def tokenizer_json(tmp_path: Path, **changes) -> Path:
+    """A tiny byte-level BPE, with ``changes`` applied to its JSON."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["hello world, hello there"] * 20, trainer=trainer)
+    data = json.loads(tok.to_str())
+    data.update(changes)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_tiktoken_translation_refuses_what_it_cannot_express(tmp_path):
+    from jobscripts.fast_encoder import HFEncoder, TiktokenEncoder, Unsupported, tiktoken_spec
+
+    plain = tokenizer_json(tmp_path)
+    text = "hello world <|endoftext|> héllo 123"
+    assert (
+        TiktokenEncoder(tiktoken_spec(plain)).encode(text).tolist()
+        == HFEncoder(plain).encode(text).tolist()
+    )
+    with pytest.raises(Unsupported, match="normalizer"):
+        tiktoken_spec(tokenizer_json(tmp_path, normalizer={"type": "Lowercase"}))
+    prefix_space = {
+        "type": "ByteLevel",
+        "add_prefix_space": True,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
+    with pytest.raises(Unsupported, match="prefix_space"):
+        tiktoken_spec(tokenizer_json(tmp_path, pre_tokenizer=prefix_space))
+
+
+def test_jsonl_scan_reports_each_bad_line_and_samples_deterministically(tmp_path):
+    from jobscripts.jsonl_scan import scan
+
+    lines = [json.dumps({"id": i, "text": f"doc {i}"}).encode() for i in range(50)]
+    lines[10] = b"\xff\xfe not utf-8"
+    lines[20] = b"[1, 2]"
+    lines[30] = b'{"id": 30, "text": "lone \\ud800 surrogate"}'
+    lines[40] = b'{"id": 40, "text": 42}'
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n\n")
+    result = scan([tmp_path / "a.jsonl"], sample_size=10, seed=3)
+    assert [(i.line, i.reason.split(" ")[0]) for i in result.issues] == [
+        (11, "invalid"),
+        (21, "a"),
+        (31, "lone"),
+        (41, "field"),
+        (51, "blank"),
+    ]
+    assert result.lines == 51 and len(result.rows) == 10
+    again = scan([tmp_path / "a.jsonl"], sample_size=10, seed=3)
+    assert [r["line"] for r in again.rows] == [r["line"] for r in result.rows]
+    assert len(scan([tmp_path / "a.jsonl"], sample_size=10, seed=3, full=True).rows) == 46
+
+
+def test_entry_point_writes_a_failure_result_and_exits_nonzero(tmp_path):
+    result = tmp_path / "blend.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobscripts.blend",
+            "--blend",
+            "0",
+            "/nope",
+            "--result",
+            str(result),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    payload = json.loads(result.read_text())
+    assert payload["ok"] is False and "must be positive" in payload["error"]
+    assert payload["step"] == "blend" and "FAILED" in proc.stdout

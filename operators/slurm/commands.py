@@ -51,6 +51,13 @@ def squeue_jobs(job_ids: Iterable[str]) -> str:
                   "--format=" + SQUEUE_FORMAT])
 
 
+def sinfo_nodes(partition: str | None = None) -> str:
+    argv = ["sinfo", "--noheader", "--format=%D"]
+    if partition:
+        argv.append("--partition=" + partition)
+    return _join(argv)
+
+
 def scancel(job_id: str) -> str:
     return _join(["scancel", job_id])
 

@@ -232,6 +232,11 @@ class SlurmHook:
         rc, out, _ = self.run(commands.squeue_jobs([job_id]))
         return job_view(parse_squeue(out), job_id) if rc == 0 else None
 
+    def node_count(self, partition: str | None = None) -> int:
+        """Nodes in ``partition`` (all partitions when None), as ``sinfo`` counts them."""
+        out = self.check(commands.sinfo_nodes(partition))
+        return sum(int(n) for n in out.split() if n.isdigit())
+
     def cancel(self, job_id: str) -> None:
         """Cancel ``job_id``; a job that already ended is not an error."""
         rc, _, err = self.run(commands.scancel(job_id))

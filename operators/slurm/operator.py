@@ -168,6 +168,8 @@ class SlurmJobOperator(BaseOperator):
                 return found
             self.log.info("earlier job %s for key %s ended %s; submitting this try's job",
                           found.job_id, key, found.state)
+            if outcome is Outcome.RETRYABLE:
+                spec = self._avoid_failed_nodes(spec, found)
         try:
             job_id = self.hook.submit(spec, run_dir, self.files)
         except (ClusterUnreachable, SlurmCommandError) as exc:
@@ -180,6 +182,17 @@ class SlurmJobOperator(BaseOperator):
             raise
         self.log.info("submitted Slurm job %s (key %s, run dir %s)", job_id, key, run_dir)
         return self.hook.describe(job_id) or JobRecord(job_id=job_id, name=key, state="PENDING")
+
+    def _avoid_failed_nodes(self, spec: JobSpec, failed: JobRecord) -> JobSpec:
+        """After NODE_FAIL/PREEMPTED/BOOT_FAIL, keep the retry off the nodes that failed."""
+        from operators.slurm.nodes import retry_exclusions
+
+        exclude = retry_exclusions(failed.nodelist, self.hook.node_count(spec.partition),
+                                   spec.nodes or 1)
+        if exclude is None:
+            return spec
+        self.log.info("retry after %s on %s: excluding those nodes", failed.state, exclude)
+        return replace(spec, exclude=exclude).validate()
 
     def _lookup_quietly(self, key: str) -> JobRecord | None:
         try:

@@ -126,7 +126,7 @@ def test_no_iteration_trained_twice_and_loss_falls(campaign_run) -> None:
     train = losses(_segment_logs(campaign_run[1]))  # asserts that no iteration appears twice
     assert sorted(train) == list(range(1, 31))
     first, last = sum(train[i] for i in (1, 2, 3)) / 3, sum(train[i] for i in (28, 29, 30)) / 3
-    assert last < 0.8 * first
+    assert last < first - 0.5  # nats/token; about 0.95 in the runs seen here
 
 
 def test_split_run_matches_uncut_run(campaign_run, tmp_path) -> None:

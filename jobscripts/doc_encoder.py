@@ -91,12 +91,15 @@ def encode_batch(encoder: Encoder, texts: list, eod: int, dtype) -> tuple:
     return counts, tokens, splits, text_bytes
 
 
-def _candidates(tokenizer_json: Path, reference) -> Iterator[tuple[str, Callable]]:
+def _candidates(tokenizer_json: Path, reference, prebuilt: dict) -> Iterator[tuple[str, Callable]]:
     """(name, encode) fastest first, each built only when the previous one failed."""
     from jobscripts.fast_encoder import HFEncoder, TiktokenEncoder, Unsupported, tiktoken_spec
 
     try:
-        yield "tiktoken", TiktokenEncoder(tiktoken_spec(tokenizer_json)).encode
+        yield (
+            "tiktoken",
+            prebuilt.get("tiktoken") or TiktokenEncoder(tiktoken_spec(tokenizer_json)).encode,
+        )
     except Unsupported as exc:
         log(f"encoder: tiktoken cannot express this tokenizer ({exc})")
     yield "hf", HFEncoder(tokenizer_json).encode
@@ -116,15 +119,23 @@ def _wrapping(reference, encode: Callable, legacy: bool) -> tuple[list[int], lis
 
 
 def choose(
-    tokenizer_dir: Path, reference, sample: list, requested: str = "auto", legacy: bool = False
+    tokenizer_dir: Path,
+    reference,
+    sample: list,
+    requested: str = "auto",
+    legacy: bool = False,
+    prebuilt: dict | None = None,
 ) -> tuple[Encoder, dict]:
-    """The first candidate whose document ids equal the reference's on sample + probes."""
+    """The first candidate whose document ids equal the reference's on sample + probes.
+
+    ``prebuilt`` maps a candidate's name to an encode function already built.
+    """
     started = time.monotonic()
     eod = reference.eod
     texts = PROBES + sample
     expected = [reference_document(reference, text) for text in texts]
     report = {"checked_texts": len(texts), "rejected": {}}
-    for name, encode in _candidates(tokenizer_dir / "tokenizer.json", reference):
+    for name, encode in _candidates(tokenizer_dir / "tokenizer.json", reference, prebuilt or {}):
         if requested not in ("auto", name):
             continue
         prefix, suffix = _wrapping(reference, encode, legacy)

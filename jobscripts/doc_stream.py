@@ -82,7 +82,7 @@ def iter_jsonl(path: Path, key: str) -> Iterator[tuple[str | list, int]]:
         yield text, offset
 
 
-def iter_parquet(path: Path, key: str, batch_rows: int = 1024) -> Iterator[tuple[str, int]]:
+def iter_parquet(path: Path, key: str, batch_rows: int = 128) -> Iterator[tuple[str, int]]:
     """(text, row number) per row, reading only the text column, a batch at a time."""
     import pyarrow.parquet as pq
 
@@ -100,9 +100,7 @@ def iter_parquet(path: Path, key: str, batch_rows: int = 1024) -> Iterator[tuple
                 row += 1
 
 
-def iter_documents(
-    path: Path, key: str, batch_rows: int = 1024
-) -> Iterator[tuple[str | list, int]]:
+def iter_documents(path: Path, key: str, batch_rows: int = 128) -> Iterator[tuple[str | list, int]]:
     """(text, position) for every document of a JSONL or Parquet shard, streamed."""
     if path.name.endswith(".parquet"):
         return iter_parquet(path, key, batch_rows)

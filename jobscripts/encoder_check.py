@@ -32,7 +32,7 @@ def files_view(tokenizer_dir: Path) -> tuple[int, int | None]:
     return tokenizer.get_vocab_size(with_added_tokens=True), eod
 
 
-def verdict(tokenizer_dir: Path, sample: list, requested: str, legacy: bool) -> dict:
+def verdict(tokenizer_dir: Path, sample: list, requested: str, legacy: bool, prebuilt=None) -> dict:
     """Megatron's vocabulary size and EOD, and the first encoder that reproduces its ids."""
     from jobscripts.doc_encoder import choose
     from jobscripts.megatron_tokenizer import load
@@ -40,13 +40,13 @@ def verdict(tokenizer_dir: Path, sample: list, requested: str, legacy: bool) -> 
     reference = load(tokenizer_dir, legacy=legacy)
     if reference.eod is None:
         raise StepError(f"{tokenizer_dir}: the tokenizer has no eos_token, so no EOD to append")
-    _encoder, report = choose(tokenizer_dir, reference, sample, requested, legacy)
+    _encoder, report = choose(tokenizer_dir, reference, sample, requested, legacy, prebuilt)
     return {"vocab_size": reference.vocab_size, "eod": reference.eod, "report": report}
 
 
-def _child(connection, tokenizer_dir: Path, sample: list, requested: str, legacy: bool) -> None:
+def _child(connection, tokenizer_dir, sample, requested, legacy, prebuilt) -> None:
     try:
-        connection.send(verdict(tokenizer_dir, sample, requested, legacy))
+        connection.send(verdict(tokenizer_dir, sample, requested, legacy, prebuilt))
     except Exception as exc:  # the parent turns this into the step's error
         connection.send({"error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -54,9 +54,13 @@ def _child(connection, tokenizer_dir: Path, sample: list, requested: str, legacy
 
 
 class BackgroundCheck:
-    """``verdict`` computed in a forked child; ``result()`` waits for it (once)."""
+    """``verdict`` computed in a forked child; ``result()`` waits for it (once).
 
-    def __init__(self, tokenizer_dir: Path, sample: list, requested: str, legacy: bool):
+    ``prebuilt`` (name -> encode function) reaches the child by the fork, not by pickling.
+    """
+
+    def __init__(self, tokenizer_dir: Path, sample: list, requested: str, legacy: bool,
+                 prebuilt: dict | None = None):  # fmt: skip
         # Import megatron (~18 s) before forking, so that parent and child import it once.
         import megatron.core.datasets.indexed_dataset  # noqa: F401
         import megatron.core.tokenizers  # noqa: F401
@@ -67,7 +71,9 @@ class BackgroundCheck:
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         self._process = context.Process(
-            target=_child, args=(send, tokenizer_dir, sample, requested, legacy), daemon=True
+            target=_child,
+            args=(send, tokenizer_dir, sample, requested, legacy, prebuilt),
+            daemon=True,
         )
         self._process.start()
         send.close()

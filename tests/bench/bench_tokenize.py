@@ -14,6 +14,9 @@ process (so each one's memory is its own), timed inside that process after its i
 - raw limit: the fastest encoder shown to give identical ids (tiktoken built from the same
   vocabulary and merges), 2 threads, over the documents already in memory, writing nothing.
 
+This machine is shared: ours and the raw limit run twice, alternating, and the best run of
+each counts; the baseline (ten times slower) runs once. The load average is in the details.
+
 Peak memory is sampled from /proc (smaps_rollup) over the whole process tree of the "ours"
 phase, every 50 ms (GNU time misses forkserver children). ``peak_rss_mb`` is the tree's summed
 PSS: resident memory with pages shared copy-on-write by forked processes counted once; the
@@ -26,6 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +43,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the repository importable
 
 SHARED = Path("/work/shared")
 WORKERS = 2
+RUNS = 2  # of ours and of the raw limit, alternating; the best of each counts
 
 
 def tree_pids(root_pid: int) -> list[int]:
@@ -137,6 +142,7 @@ def phase_ours(work: Path, setup: dict) -> dict:
 
     from jobscripts.tokenize_megatron import main
 
+    shutil.rmtree(work / "ours", ignore_errors=True)  # a fresh run, not a resumed one
     started = time.monotonic()
     code = main(["--input", setup["corpus"], "--tokenizer", setup["tokenizer"], "--output-dir",
                  str(work / "ours"), "--merge", "bench", "--workers", str(WORKERS)])  # fmt: skip
@@ -243,16 +249,24 @@ def main() -> dict:
         setup = prepare(work)
         (work / "setup.json").write_text(json.dumps(setup))
         print(f"bench_tokenize: {setup}", file=sys.stderr)
-        ours, ours_rss = run_phase("ours", work)
+        # Other work on the machine comes and goes: alternate ours and the raw limit, keep the
+        # best of each (the baseline, 10x slower, runs once).
+        ours_runs, raw_runs = [], []
+        for _ in range(RUNS):
+            ours_runs.append(run_phase("ours", work))
+            raw_runs.append(run_phase("raw", work)[0])
+        ours = min((r for r, _m in ours_runs), key=lambda r: r["seconds"])
+        ours_rss = {k: max(m[k] for _r, m in ours_runs) for k in ("rss_mb", "pss_mb")}
+        raw = max(raw_runs, key=lambda r: r["tokens_per_s"])
         baseline, baseline_rss = run_phase("baseline", work)
-        raw, _ = run_phase("raw", work)
         identical = same_bytes(
             work / "ours" / "bench_text_document", work / "baseline_text_document"
         )
     ours_rate = ours["tokens"] / ours["seconds"]
     base_rate = baseline["tokens"] / baseline["seconds"]
-    details = {"ours": ours, "ours_memory": ours_rss, "baseline": baseline,
-               "baseline_memory": baseline_rss, "raw": raw}  # fmt: skip
+    details = {"ours_runs": [r for r, _m in ours_runs], "ours_memory": ours_rss,
+               "raw_runs": raw_runs, "baseline": baseline, "baseline_memory": baseline_rss,
+               "load_average": os.getloadavg()}  # fmt: skip
     print(f"bench_tokenize details: {json.dumps(details)}", file=sys.stderr)
     return {
         "bench": "tokenize",

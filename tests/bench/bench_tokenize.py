@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -136,6 +137,15 @@ def prepare(work: Path) -> dict:
 # --- phases (child processes) -------------------------------------------------------------
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that have been waited for (the encoder
+    check, pool workers): unlike wall time, hardly changed by other load on the machine."""
+    own, children = (
+        resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def phase_ours(work: Path, setup: dict) -> dict:
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imports are not the step)
     import megatron.core.tokenizers  # noqa: F401
@@ -143,14 +153,15 @@ def phase_ours(work: Path, setup: dict) -> dict:
     from jobscripts.tokenize_megatron import main
 
     shutil.rmtree(work / "ours", ignore_errors=True)  # a fresh run, not a resumed one
-    started = time.monotonic()
+    started, cpu = time.monotonic(), cpu_seconds()
     code = main(["--input", setup["corpus"], "--tokenizer", setup["tokenizer"], "--output-dir",
                  str(work / "ours"), "--merge", "bench", "--workers", str(WORKERS)])  # fmt: skip
-    seconds = time.monotonic() - started
+    seconds, cpu = time.monotonic() - started, cpu_seconds() - cpu
     result = json.loads((work / "ours" / "tokenize.json").read_text())
     if code != 0:
         raise SystemExit(result["error"])
-    return {"seconds": seconds, "tokens": result["tokens"], "encoder": result["encoder"]}
+    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": result["tokens"],
+            "encoder": result["encoder"]}  # fmt: skip
 
 
 class Encoder:
@@ -181,7 +192,7 @@ def phase_baseline(work: Path, setup: dict) -> dict:
 
     from jobscripts.megatron_tokenizer import load
 
-    started = time.monotonic()
+    started, cpu = time.monotonic(), cpu_seconds()
     tokenizer = load(setup["tokenizer"])
     encoder = Encoder(setup["tokenizer"])
     prefix = work / "baseline_text_document"
@@ -197,7 +208,8 @@ def phase_baseline(work: Path, setup: dict) -> dict:
         builder.finalize(f"{prefix}.idx")
         pool.close()
         pool.join()
-    return {"seconds": time.monotonic() - started, "tokens": tokens}
+    return {"seconds": time.monotonic() - started, "cpu_seconds": cpu_seconds() - cpu,
+            "tokens": tokens}  # fmt: skip
 
 
 def phase_raw(work: Path, setup: dict) -> dict:
@@ -220,10 +232,10 @@ def phase_raw(work: Path, setup: dict) -> dict:
                 len(a) for a in pool.map(fast.encode, texts, chunksize=8)),
         }  # fmt: skip
         for name, run in runs.items():
-            started = time.monotonic()
+            started, cpu = time.monotonic(), cpu_seconds()
             tokens = run() + nonempty
             rate = tokens / (time.monotonic() - started)
-            variants[name] = round(rate)
+            variants[name] = {"tokens_per_s": round(rate), "cpu_seconds": cpu_seconds() - cpu}
             best = max(best, rate)
     return {"tokens_per_s": best, "tokens": tokens, "variants": variants}
 
@@ -264,9 +276,23 @@ def main() -> dict:
         )
     ours_rate = ours["tokens"] / ours["seconds"]
     base_rate = baseline["tokens"] / baseline["seconds"]
-    details = {"ours_runs": [r for r, _m in ours_runs], "ours_memory": ours_rss,
-               "raw_runs": raw_runs, "baseline": baseline, "baseline_memory": baseline_rss,
-               "load_average": os.getloadavg()}  # fmt: skip
+    # Tokens per CPU-second, relative: close to what an idle machine shows for the parallel
+    # phases, and hardly moved by other load (wall-clock ratios are, a lot).
+    raw_cpu = min(v["cpu_seconds"] for r in raw_runs for v in r["variants"].values())
+    ours_cpu = min(r["cpu_seconds"] for r, _m in ours_runs)
+    cpu_ratios = {
+        "ours_vs_baseline": round(baseline["cpu_seconds"] / ours_cpu, 2),
+        "ours_vs_limit": round(raw_cpu / ours_cpu, 2),
+    }
+    details = {
+        "cpu_ratios": cpu_ratios,
+        "ours_runs": [r for r, _m in ours_runs],
+        "ours_memory": ours_rss,
+        "raw_runs": raw_runs,
+        "baseline": baseline,
+        "baseline_memory": baseline_rss,
+        "load_average": os.getloadavg(),
+    }
     print(f"bench_tokenize details: {json.dumps(details)}", file=sys.stderr)
     return {
         "bench": "tokenize",

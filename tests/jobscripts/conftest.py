@@ -30,79 +30,55 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data-stage")
 
 
+def ok(main, argv: list[str], result: Path) -> dict:
+    """Run an entry point that must succeed; return its result JSON."""
+    code, payload, _ = run_main(main, argv, result)
+    assert code == 0, payload
+    return payload
+
+
+def tokenize_argv(src, tokenizer_dir, out, *extra: str) -> list[str]:
+    return [
+        "--input",
+        str(src),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
+
+
 @pytest.fixture(scope="session")
 def demo_parquet(work) -> dict:
     from jobscripts.demo_corpus import main
 
-    code, result, _ = run_main(
-        main,
-        ["--output-dir", str(work / "parquet"), "--target-bytes", str(DEMO_BYTES)],
-        work / "demo.json",
-    )
-    assert code == 0, result
-    return result
+    argv = ["--output-dir", str(work / "parquet"), "--target-bytes", str(DEMO_BYTES)]
+    return ok(main, argv, work / "demo.json")
 
 
 @pytest.fixture(scope="session")
 def ingested(work, demo_parquet) -> dict:
     from jobscripts.ingest import main
 
-    code, result, _ = run_main(
-        main,
-        [
-            "--input",
-            demo_parquet["output_dir"],
-            "--output-dir",
-            str(work / "ingest"),
-            "--workers",
-            "1",
-        ],
-        work / "ingest.json",
-    )
-    assert code == 0, result
-    return result
+    argv = ["--input", demo_parquet["output_dir"], "--output-dir", str(work / "ingest")]
+    return ok(main, [*argv, "--workers", "1"], work / "ingest.json")
 
 
 @pytest.fixture(scope="session")
 def tokenizer(work, ingested) -> dict:
     from jobscripts.train_tokenizer import main
 
-    code, result, _ = run_main(
-        main,
-        [
-            "--input",
-            str(work / "ingest" / "jsonl"),
-            "--output-dir",
-            str(work / "tokenizer"),
-            "--vocab-size",
-            str(VOCAB),
-        ],
-        work / "tokenizer.json",
-    )
-    assert code == 0, result
-    return result
+    argv = ["--input", str(work / "ingest" / "jsonl"), "--output-dir", str(work / "tokenizer")]
+    return ok(main, [*argv, "--vocab-size", str(VOCAB)], work / "tokenizer.json")
 
 
 @pytest.fixture(scope="session")
 def tokenized(work, ingested, tokenizer) -> dict:
     from jobscripts.tokenize_megatron import main
 
-    code, result, _ = run_main(
-        main,
-        [
-            "--input",
-            str(work / "ingest" / "jsonl"),
-            "--tokenizer",
-            tokenizer["tokenizer_dir"],
-            "--output-dir",
-            str(work / "tokens"),
-            "--workers",
-            "2",
-        ],
-        work / "tokenize.json",
-    )
-    assert code == 0, result
-    return result
+    argv = tokenize_argv(work / "ingest" / "jsonl", tokenizer["tokenizer_dir"], work / "tokens")
+    return ok(main, [*argv, "--workers", "2"], work / "tokenize.json")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.jobscripts.conftest import VOCAB, run_main
+from tests.jobscripts.conftest import VOCAB, ok, run_main, tokenize_argv
 
 
 def reference_write(jsonl: Path, tokenizer, prefix: Path) -> None:
@@ -56,18 +56,11 @@ def test_trained_tokenizer_loads_in_transformers_and_megatron(tokenizer, megatro
 def test_given_tokenizer_directory_is_validated_and_copied(tokenizer, tmp_path):
     from jobscripts.train_tokenizer import main
 
-    code, result, _ = run_main(
-        main,
-        ["--from-dir", tokenizer["tokenizer_dir"], "--output-dir", str(tmp_path / "tok")],
-        tmp_path / "r.json",
-    )
-    assert code == 0, result
+    argv = ["--from-dir", tokenizer["tokenizer_dir"], "--output-dir", str(tmp_path / "tok")]
+    result = ok(main, argv, tmp_path / "r.json")
     assert result["tokenizer_sha256"] == tokenizer["tokenizer_sha256"] and result["eod_id"] == 0
-    code, result, _ = run_main(
-        main,
-        ["--from-dir", str(tmp_path), "--output-dir", str(tmp_path / "x")],
-        tmp_path / "r2.json",
-    )
+    argv = ["--from-dir", str(tmp_path), "--output-dir", str(tmp_path / "x")]
+    code, result, _ = run_main(main, argv, tmp_path / "r2.json")
     assert code == 1 and "no tokenizer.json" in result["error"]
 
 
@@ -84,37 +77,15 @@ def test_tokenized_output_is_byte_identical_to_reference(
 def test_edge_cases_are_identical_with_every_encoder(tokenizer, megatron_tokenizer, tmp_path):
     from jobscripts.tokenize_megatron import main
 
-    docs = [
-        "plain text",
-        "",
-        " ",
-        "<|endoftext|> inside <|endoftext|>",
-        ["two", "", "sentences"],
-        [],
-        "tabs\t\tand\r\nnewlines\n\n",
-        "😀 ünïcode 日本語",
-        "x" * 3000,
-    ]
+    docs = ["plain text", "", " ", "<|endoftext|> inside <|endoftext|>", ["two", "", "sentences"],
+            [], "tabs\t\tand\r\nnewlines\n\n", "😀 ünïcode 日本語", "x" * 3000]  # fmt: skip
     src = tmp_path / "edge.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     reference_write(src, megatron_tokenizer, tmp_path / "reference")
     for encoder in ("tiktoken", "hf", "reference"):
         out = tmp_path / encoder
-        code, result, _ = run_main(
-            main,
-            [
-                "--input",
-                str(src),
-                "--tokenizer",
-                tokenizer["tokenizer_dir"],
-                "--output-dir",
-                str(out),
-                "--encoder",
-                encoder,
-            ],
-            tmp_path / f"{encoder}.json",
-        )
-        assert code == 0, result
+        argv = tokenize_argv(src, tokenizer["tokenizer_dir"], out, "--encoder", encoder)
+        ok(main, argv, tmp_path / f"{encoder}.json")
         assert same_files(out / "edge_text_document", tmp_path / "reference"), encoder
 
 
@@ -137,10 +108,8 @@ def test_legacy_tokenizer_mode_keeps_the_post_processors_bos(tokenizer, tmp_path
     reference_write(src, LegacyHFTokenizer(str(tok_dir)), tmp_path / "reference")
     for encoder in ("tiktoken", "reference"):
         out = tmp_path / encoder
-        argv = ["--input", str(src), "--tokenizer", str(tok_dir), "--output-dir", str(out),
-                "--legacy-tokenizer", "--encoder", encoder]  # fmt: skip
-        code, result, _ = run_main(main, argv, tmp_path / f"{encoder}.json")
-        assert code == 0, result
+        argv = tokenize_argv(src, tok_dir, out, "--legacy-tokenizer", "--encoder", encoder)
+        ok(main, argv, tmp_path / f"{encoder}.json")
         assert same_files(out / "docs_text_document", tmp_path / "reference"), encoder
     tokens = np.fromfile(tmp_path / "tiktoken" / "docs_text_document.bin", dtype=np.uint16)
     assert tokens[0] == 0 and tokens[-1] == 0  # BOS first, EOD last; "" became [BOS, EOD]
@@ -169,24 +138,17 @@ def test_rerun_skips_finished_shards_and_redoes_a_broken_one(tokenized, tokenize
 
     out = tmp_path / "tokens"
     shutil.copytree(work / "tokens", out)
-    argv = [
-        "--input",
-        str(work / "ingest" / "jsonl"),
-        "--tokenizer",
-        tokenizer["tokenizer_dir"],
-        "--output-dir",
-        str(out),
-    ]
+    argv = tokenize_argv(work / "ingest" / "jsonl", tokenizer["tokenizer_dir"], out)
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("*_text_document.*")}
-    code, result, log = run_main(main, argv, tmp_path / "r1.json")
-    assert code == 0 and result["skipped_shards"] == 2 and result["tokenized_shards"] == 0
+    result = ok(main, argv, tmp_path / "r1.json")
+    assert result["skipped_shards"] == 2 and result["tokenized_shards"] == 0
     assert before == {p.name: p.stat().st_mtime_ns for p in out.glob("*_text_document.*")}
     assert result["manifest_fingerprint"] == tokenized["manifest_fingerprint"]
     # a shard whose .bin was cut short (a killed job) is redone, the other one is not
     with open(out / "00001_text_document.bin", "r+b") as handle:
         handle.truncate(10)
-    code, result, _ = run_main(main, argv, tmp_path / "r2.json")
-    assert code == 0 and result["skipped_shards"] == 1 and result["tokenized_shards"] == 1
+    result = ok(main, argv, tmp_path / "r2.json")
+    assert result["skipped_shards"] == 1 and result["tokenized_shards"] == 1
     assert load(out / "manifest.json")["fingerprint"] == tokenized["manifest_fingerprint"]
 
 
@@ -209,21 +171,11 @@ def test_merge_concatenates_shards(tokenized, tokenizer, work, tmp_path):
 
     out = tmp_path / "merged"
     shutil.copytree(work / "tokens", out)
-    code, result, _ = run_main(
-        main,
-        [
-            "--input",
-            str(work / "ingest" / "jsonl"),
-            "--tokenizer",
-            tokenizer["tokenizer_dir"],
-            "--output-dir",
-            str(out),
-            "--merge",
-            "all",
-        ],
-        tmp_path / "r.json",
+    argv = tokenize_argv(
+        work / "ingest" / "jsonl", tokenizer["tokenizer_dir"], out, "--merge", "all"
     )
-    assert code == 0 and result["skipped_shards"] == 2
+    result = ok(main, argv, tmp_path / "r.json")
+    assert result["skipped_shards"] == 2
     merged = (out / "all_text_document.bin").read_bytes()
     assert merged == b"".join((out / f"0000{i}_text_document.bin").read_bytes() for i in range(2))
     assert result["documents"] == tokenized["documents"]
@@ -241,12 +193,7 @@ def test_changed_manifest_is_detected(tokenized, tokenizer, work, tmp_path):
     with open(src / "00001.jsonl", "a") as handle:
         handle.write(json.dumps({"text": "one more document"}) + "\n")
     out = tmp_path / "tokens"
-    code, result, _ = run_main(
-        main,
-        ["--input", str(src), "--tokenizer", tokenizer["tokenizer_dir"], "--output-dir", str(out)],
-        tmp_path / "r.json",
-    )
-    assert code == 0, result
+    ok(main, tokenize_argv(src, tokenizer["tokenizer_dir"], out), tmp_path / "r.json")
     with pytest.raises(ManifestError) as info:
         assert_same(pinned, load(out / "manifest.json"))
     message = str(info.value)
@@ -263,12 +210,8 @@ def test_changed_manifest_is_detected(tokenized, tokenizer, work, tmp_path):
 def test_token_gate_passes_on_the_tokenized_demo(tokenized, ingested, work):
     from jobscripts.token_gate import main
 
-    code, result, _ = run_main(
-        main,
-        ["--dataset-dir", str(work / "tokens"), "--ingest-result", str(work / "ingest.json")],
-        work / "token_gate.json",
-    )
-    assert code == 0, result
+    argv = ["--dataset-dir", str(work / "tokens"), "--ingest-result", str(work / "ingest.json")]
+    result = ok(main, argv, work / "token_gate.json")
     assert result["total"]["documents"] == ingested["docs_out"]
     assert result["total"]["tokens"] == tokenized["tokens"]
     assert 0.1 < result["total"]["tokens_per_byte"] < 1.0
@@ -284,20 +227,8 @@ def test_token_gate_names_prefix_and_first_bad_document(tmp_path):
     for ids in ([5, 6, 0], [7, 0], [], [8, 9], [3, 900, 0], [4, 0]):
         builder.add_document(ids, [len(ids)] if ids else [])
     builder.finalize(f"{prefix}.idx")
-    code, result, _ = run_main(
-        main,
-        [
-            "--prefix",
-            str(prefix),
-            "--vocab-size",
-            "500",
-            "--eod-id",
-            "0",
-            "--expected-documents",
-            "5",
-        ],
-        tmp_path / "r.json",
-    )
+    argv = ["--prefix", str(prefix), "--vocab-size", "500", "--eod-id", "0"]
+    code, result, _ = run_main(main, [*argv, "--expected-documents", "5"], tmp_path / "r.json")
     assert code == 1
     error = result["error"]
     assert str(prefix) in error
@@ -312,8 +243,7 @@ def test_tokenize_names_the_line_it_cannot_read(tokenizer, tmp_path):
 
     src = tmp_path / "broken.jsonl"
     src.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": null}\n')
-    argv = ["--input", str(src), "--tokenizer", tokenizer["tokenizer_dir"], "--output-dir",
-            str(tmp_path / "out")]  # fmt: skip
+    argv = tokenize_argv(src, tokenizer["tokenizer_dir"], tmp_path / "out")
     code, result, _ = run_main(main, argv, tmp_path / "r.json")
     assert code == 1 and f"{src}:3: field 'text' is NoneType" in result["error"]
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -332,8 +262,7 @@ def test_a_guess_megatron_rejects_is_redone_the_sure_way(
     monkeypatch.setattr(tokenize_megatron, "files_view", lambda _dir: (VOCAB, 1))
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(5)))
-    argv = ["--input", str(src), "--tokenizer", tokenizer["tokenizer_dir"], "--output-dir",
-            str(tmp_path / "out")]  # fmt: skip
+    argv = tokenize_argv(src, tokenizer["tokenizer_dir"], tmp_path / "out")
     code, result, log = run_main(tokenize_megatron.main, argv, tmp_path / "r.json")
     assert code == 0, result
     assert "Megatron disagrees" in log and result["eod_id"] == 0

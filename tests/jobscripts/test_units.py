@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,16 @@ def test_entry_point_writes_a_failure_result_and_exits_nonzero(tmp_path):
     payload = json.loads(result.read_text())
     assert payload["ok"] is False and "must be positive" in payload["error"]
     assert payload["step"] == "blend" and "FAILED" in proc.stdout
+
+
+def test_hub_check_fails_fast_without_a_route(monkeypatch):
+    from jobscripts.common import StepError
+    from jobscripts.hf_fetch import check_online
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on discard
+    started = time.monotonic()
+    with pytest.raises(StepError, match="127.0.0.1:9 is unreachable"):
+        check_online(timeout=2)
+    assert time.monotonic() - started < 3

@@ -58,8 +58,10 @@ def sacct_job(job_id: str) -> dict[str, str]:
     out = subprocess.run(["sacct", "--parsable2", "--noheader", "-X", f"--jobs={job_id}",
                           "--format=JobID,JobName,State,ExitCode"],
                          capture_output=True, text=True, check=True).stdout
-    line = out.splitlines()[0]
-    return dict(zip(("id", "name", "state", "exit"), line.split("|"), strict=True))
+    lines = out.splitlines()
+    if not lines:  # sacct learns of a new job a few seconds after sbatch: not known yet
+        return {"id": job_id, "name": "", "state": "", "exit": ""}
+    return dict(zip(("id", "name", "state", "exit"), lines[0].split("|"), strict=True))
 
 
 def sacct_field(job_id: str, field: str) -> str:

@@ -22,7 +22,11 @@ import shlex
 import yaml
 
 from operators.campaign.paths import RunPaths
-from operators.campaign.plan import exit_duration_minutes, segment_exit_minutes, signal_lead_seconds
+from operators.campaign.plan import (
+    exit_duration_minutes,
+    segment_exit_minutes,
+    segment_job_options,
+)
 
 __all__ = ["CONFIG_FILE", "MIXED_PRECISION", "SEGMENT_RESULT", "bridge_job", "bridge_overrides",
            "bridge_segment", "exit_duration_minutes", "render_bridge_yaml"]
@@ -166,10 +170,9 @@ def bridge_job(campaign, run_paths: RunPaths, *, master_port: int = MASTER_PORT,
         raise ValueError("the Bridge job needs model.recipe and cluster.container")
     if not 1024 <= master_port <= 65535:
         raise ValueError(f"master_port must be in 1024-65535 (got {master_port})")
-    margin = campaign.segments.margin_min
     job = {"nodes": c.nodes, "ntasks_per_node": 1, "gpus_per_node": str(c.gpus_per_node),
            "time": c.time_limit, "exclusive": c.exclusive,
-           "signal": f"TERM@{signal_lead_seconds(margin)}"}
+           **segment_job_options(campaign, batch_shell=False)}
     job.update({name: getattr(c, name) for name in ("partition", "account", "qos",
                                                     "cpus_per_task", "mem")
                 if getattr(c, name) is not None})

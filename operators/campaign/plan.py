@@ -118,6 +118,17 @@ def signal_lead_seconds(margin_min: float) -> int:
     return max(60, int(margin_min * 60) // 2)
 
 
+def segment_job_options(campaign, *, batch_shell: bool) -> dict:
+    """sbatch options every training segment has, whoever trains it.
+
+    ``--signal`` as the backup stop (``B:`` when the trainer is the batch shell itself).
+    ``--requeue``: a segment resumes from its last checkpoint, so Slurm may restart it
+    under the same job id after a node failure, a preemption or ``scontrol requeue``.
+    """
+    lead = signal_lead_seconds(campaign.segments.margin_min)
+    return {"signal": f"{'B:' if batch_shell else ''}TERM@{lead}", "requeue": True}
+
+
 def segment_exit_minutes(campaign, earlier_results: Iterable[Mapping] = ()) -> int:
     """:func:`exit_duration_minutes` with the campaign's estimates and measured saves."""
     s = campaign.segments

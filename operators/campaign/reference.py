@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from operators.campaign.layout import Layout
-from operators.campaign.plan import segment_exit_minutes, signal_lead_seconds
+from operators.campaign.plan import segment_exit_minutes, segment_job_options
 from operators.campaign.stages import stage_job
 from operators.slurm.operator import python_module_command
 
@@ -51,8 +51,7 @@ def reference_segment(campaign, layout: Layout, data_path: list[str], earlier_re
     """Keyword arguments for one segment's ``SlurmJobOperator``."""
     minutes = segment_exit_minutes(campaign, earlier_results)
     config = run_config(campaign, layout, data_path, minutes, train_iters)
-    job = stage_job(campaign)
-    job["signal"] = f"B:TERM@{signal_lead_seconds(campaign.segments.margin_min)}"
+    job = {**stage_job(campaign), **segment_job_options(campaign, batch_shell=True)}
     return {
         # exec: the trainer becomes the batch shell, so --signal=B:TERM reaches it.
         "command": "exec " + python_module_command("jobscripts.reference_trainer", "--config",

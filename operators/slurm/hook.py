@@ -30,7 +30,15 @@ from operators.slurm.errors import (
     ClusterUnreachable,
     SlurmCommandError,
 )
-from operators.slurm.parse import JobRecord, job_view, parse_sacct, parse_sbatch, parse_squeue
+from operators.slurm.parse import (
+    JobRecord,
+    job_view,
+    merge_live,
+    needs_squeue,
+    parse_sacct,
+    parse_sbatch,
+    parse_squeue,
+)
 from operators.slurm.render import render_script
 from operators.slurm.spec import JobSpec
 
@@ -225,12 +233,14 @@ class SlurmHook:
         return done[max(done, key=_id_order)] if done else None
 
     def describe(self, job_id: str) -> JobRecord | None:
-        """``sacct`` first; ``squeue`` covers the seconds before sacct knows the job."""
-        record = job_view(parse_sacct(self.check(commands.sacct_jobs([job_id]))), job_id)
-        if record is not None:
-            return record
-        rc, out, _ = self.run(commands.squeue_jobs([job_id]))
-        return job_view(parse_squeue(out), job_id) if rc == 0 else None
+        """``sacct`` first; ``squeue`` when sacct does not know the job yet or it may be
+        requeued (see :func:`~operators.slurm.parse.merge_live`)."""
+        records = parse_sacct(self.check(commands.sacct_jobs([job_id])))
+        if needs_squeue(records, job_id):
+            rc, out, _ = self.run(commands.squeue_jobs([job_id]))
+            if rc == 0:
+                records = merge_live(records, parse_squeue(out))
+        return job_view(records, job_id)
 
     def node_count(self, partition: str | None = None) -> int:
         """Nodes in ``partition`` (all partitions when None), as ``sinfo`` counts them."""

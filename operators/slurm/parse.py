@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from operators.slurm.states import normalize_state
@@ -152,6 +152,35 @@ def _safe_outcome(state: str):
         return classify(state)
     except UnknownSlurmState:
         return Outcome.ACTIVE
+
+
+def needs_squeue(records: dict[str, JobRecord], job_id: str) -> bool:
+    """Whether sacct's view of ``job_id`` needs squeue's: unknown yet, or maybe requeued."""
+    from operators.slurm.states import Outcome
+
+    view = job_view(records, job_id)
+    return view is None or _safe_outcome(view.state) is Outcome.RETRYABLE
+
+
+def merge_live(records: dict[str, JobRecord], live: dict[str, JobRecord]) -> dict[str, JobRecord]:
+    """sacct's records completed by squeue's rows.
+
+    squeue fills the seconds after submission when sacct does not know a job yet.
+    And after NODE_FAIL or PREEMPTED a requeueable job goes back to the queue under
+    the same id while, for a few seconds, sacct's newest row is still the run that
+    ended: if squeue holds the job as active, that is the truth, so keep waiting.
+    """
+    from operators.slurm.states import Outcome
+
+    merged = dict(records)
+    for job_id, row in live.items():
+        known = merged.get(job_id)
+        if known is None:
+            merged[job_id] = row
+        elif (_safe_outcome(known.state) is Outcome.RETRYABLE
+              and _safe_outcome(row.state) is Outcome.ACTIVE):
+            merged[job_id] = replace(row, state_detail=f"requeued after {known.state}")
+    return merged
 
 
 def parse_squeue(output: str) -> dict[str, JobRecord]:

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 from operators.slurm import commands
 from operators.slurm.backoff import backoff_delays
-from operators.slurm.parse import JobRecord, job_view, parse_sacct, parse_squeue
+from operators.slurm.parse import (
+    JobRecord,
+    merge_live,
+    needs_squeue,
+    parse_sacct,
+    parse_squeue,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +146,12 @@ class ClusterPoller:
         if rc != 0:
             raise RuntimeError(f"sacct exited {rc}: {err.strip()[:300]}")
         records = parse_sacct(out)
-        missing = [j for j in job_ids if job_view(records, j) is None]
-        if missing:  # sacct lags squeue by a few seconds after submission
+        unsure = [j for j in job_ids if needs_squeue(records, j)]
+        if unsure:  # not in sacct yet, or perhaps requeued: squeue knows
             self.stats.status_calls += 1
-            rc, out, _ = await self.run(commands.squeue_jobs(missing))
+            rc, out, _ = await self.run(commands.squeue_jobs(unsure))
             if rc == 0:
-                records.update(parse_squeue(out))
+                records = merge_live(records, parse_squeue(out))
         return records
 
     async def _publish(self, records: dict[str, JobRecord], error: str | None) -> None:

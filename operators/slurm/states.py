@@ -73,20 +73,33 @@ def classify(raw_state: str) -> Outcome:
 # sacct learns of a job's end a few seconds after squeue; only sacct has the exit
 # code and times. A terminal state seen only in squeue waits this long for sacct.
 SACCT_GRACE_S = 30.0
+# A retryable end (NODE_FAIL, PREEMPTED) may be followed by Slurm requeueing the job
+# under the same id; it is held this long so that a requeue is seen as one.
+REQUEUE_GRACE_S = 10.0
 
 
 class SettleGate:
-    """Holds back a terminal state that only ``squeue`` has reported, for a while."""
+    """Holds back a terminal state that may not be the last word, for a while.
 
-    def __init__(self, grace_s: float = SACCT_GRACE_S) -> None:
+    Only ``squeue`` has reported it (sacct will say more), or it is retryable and
+    Slurm may requeue the job.
+    """
+
+    def __init__(self, grace_s: float = SACCT_GRACE_S,
+                 requeue_grace_s: float = REQUEUE_GRACE_S) -> None:
         self.grace_s = grace_s
+        self.requeue_grace_s = requeue_grace_s
         self._since: float | None = None
 
     def final(self, outcome: Outcome, source: str, now: float) -> bool:
         if not outcome.terminal:
             self._since = None
             return False
-        if source != "squeue":
+        if source == "squeue":
+            grace = self.grace_s
+        elif outcome is Outcome.RETRYABLE:
+            grace = self.requeue_grace_s
+        else:
             return True
         self._since = self._since if self._since is not None else now
-        return now - self._since >= self.grace_s
+        return now - self._since >= grace

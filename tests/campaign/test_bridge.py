@@ -150,7 +150,7 @@ def test_signal_lead_is_inside_the_margin() -> None:
 def test_job_options(campaign, paths) -> None:
     job, command, env = bridge.bridge_job(campaign, paths)
     assert job == {"nodes": 2, "ntasks_per_node": 1, "gpus_per_node": "4", "time": "04:00:00",
-                   "exclusive": True, "signal": "TERM@150", "partition": "workq",
+                   "exclusive": True, "signal": "TERM@150", "requeue": True, "partition": "workq",
                    "cpus_per_task": 288}
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["HF_HOME"] == "/hf_home"

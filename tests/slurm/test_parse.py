@@ -139,3 +139,41 @@ def test_settle_gate_waits_for_sacct_after_a_squeue_only_end() -> None:
     assert gate.final(Outcome.SUCCESS, "squeue", 32)  # ...until the grace runs out
     assert not gate.final(Outcome.ACTIVE, "squeue", 33)  # a requeue resets it
     assert not gate.final(Outcome.FAILURE, "squeue", 34)
+
+
+def test_settle_gate_holds_a_retryable_end_for_a_requeue() -> None:
+    from operators.slurm.states import SettleGate
+
+    gate = SettleGate(grace_s=30, requeue_grace_s=10)
+    assert not gate.final(Outcome.RETRYABLE, "sacct", 0)  # NODE_FAIL: Slurm may requeue
+    assert not gate.final(Outcome.ACTIVE, "squeue", 5)  # it did: the wait starts over
+    assert not gate.final(Outcome.RETRYABLE, "sacct", 100)
+    assert gate.final(Outcome.RETRYABLE, "sacct", 110)  # no requeue came: final
+    assert SettleGate(requeue_grace_s=10).final(Outcome.FAILURE, "sacct", 0)  # no wait
+
+
+@pytest.mark.parametrize(("sacct_state", "squeue_state", "seen", "detail"), [
+    ("NODE_FAIL", "PENDING", "PENDING", "requeued after NODE_FAIL"),  # Slurm requeued it
+    ("PREEMPTED", "RUNNING", "RUNNING", "requeued after PREEMPTED"),
+    ("NODE_FAIL", "NODE_FAIL", "NODE_FAIL", ""),  # --no-requeue: the end stands
+    ("FAILED", "PENDING", "FAILED", ""),  # only retryable ends are second-guessed
+    ("COMPLETED", "RUNNING", "COMPLETED", ""),
+    (None, "PENDING", "PENDING", ""),  # sacct does not know it yet
+])
+def test_merge_live_prefers_squeue_for_unknown_and_requeued_jobs(
+        sacct_state, squeue_state, seen, detail) -> None:
+    from operators.slurm.parse import merge_live, needs_squeue
+
+    records = parse_sacct(row("7", sacct_state)) if sacct_state else {}
+    live = parse_squeue(f"7|pp-x|{squeue_state}|None|node1\n")
+    assert needs_squeue(records, "7") == (sacct_state in (None, "NODE_FAIL", "PREEMPTED"))
+    merged = merge_live(records, live)["7"]
+    assert (merged.state, merged.state_detail) == (seen, detail)
+    assert merged.source == ("sacct" if seen == sacct_state else "squeue")
+
+
+def test_merge_live_keeps_jobs_squeue_does_not_list() -> None:
+    from operators.slurm.parse import merge_live
+
+    records = parse_sacct(row("7", "NODE_FAIL"))
+    assert merge_live(records, {}) == records

@@ -2,7 +2,7 @@
 
     data.check -> [data.demo_corpus] -> data.ingest -> data.raw_gate -> data.tokenizer
       -> data.tokenize -> data.token_gate -> train.segment_1 -> ... -> train.segment_N
-      -> export -> evaluate -> register
+      -> finished -> export -> evaluate -> register -> completed
 
 Nothing here touches the cluster or imports anything heavy: the dag-processor
 parses this every few seconds. The number of segment tasks is the campaign's
@@ -103,18 +103,44 @@ def _data_stage(campaign, layout: Layout, retry: dict):
 def _finished_task(campaign, layout: Layout):
     @task(task_id="finished", trigger_rule=TRIGGER_RULE_AFTER_DATA)
     def finished(params=None) -> int:
-        """Lets export/evaluate/register run only once the campaign reached train_iters."""
+        """Lets export/evaluate/register run once the campaign reached train_iters, and once
+        only: a scheduled run of a finished campaign does nothing."""
+        import json
+
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from operators.campaign.remote import read_iteration
+        from operators.campaign.remote import read_iteration, read_text
         from operators.slurm.hook import SlurmHook
 
-        iteration = read_iteration(SlurmHook(campaign.cluster.ssh_conn_id), layout)
+        hook = SlurmHook(campaign.cluster.ssh_conn_id)
+        iteration = read_iteration(hook, layout)
         if iteration < int(params["train_iters"]) or params["dry_run"]:
             raise AirflowSkipException(f"campaign at iteration {iteration}: not finished")
+        done = json.loads(read_text(hook, layout.completed) or "{}")
+        if done.get("iteration") == iteration:
+            raise AirflowSkipException(
+                f"campaign done at iteration {iteration}: exported, evaluated and registered "
+                f"by DAG run {done.get('run_id')} ({layout.completed})")
         return iteration
 
     return finished()
+
+
+def _completed_task(campaign, layout: Layout):
+    @task(task_id="completed")
+    def completed(ti=None) -> dict:
+        """Records that the final stages ran for this iteration (read by ``finished``)."""
+        import json
+
+        from operators.campaign.remote import write_file
+        from operators.slurm.hook import SlurmHook
+
+        record = {"iteration": ti.xcom_pull(task_ids="finished"), "run_id": ti.run_id}
+        write_file(SlurmHook(campaign.cluster.ssh_conn_id), layout.completed,
+                   json.dumps(record, sort_keys=True) + "\n")
+        return record
+
+    return completed()
 
 
 def _register_task(campaign, layout: Layout):
@@ -141,6 +167,7 @@ def _finish_stage(campaign, layout: Layout, retry: dict) -> list:
                               **stages.evaluate(campaign, layout), **retry)]
     if campaign.tracking.enabled:
         steps.append(_register_task(campaign, layout))
+    steps.append(_completed_task(campaign, layout))
     chain(*steps)
     return steps
 

@@ -11,6 +11,7 @@
     <campaign>/mlflow_run_id       the campaign's MLflow parent run
     <campaign>/segments.jsonl      one line per finished segment (segment.json + Slurm record)
     <campaign>/export/hf/          Hugging Face export of the final checkpoint
+    <campaign>/completed.json      the iteration whose export, evaluation and registration ran
 """
 
 from __future__ import annotations
@@ -42,6 +43,4 @@ class Layout:
         self.segments_log = posixpath.join(c, "segments.jsonl")
         self.export = posixpath.join(c, "export")
         self.hf_export = posixpath.join(self.export, "hf")
-        # The last ingested shard. Demo data has no held-out split of its own, so this is an
-        # in-distribution sample; a campaign with a held-out set should point here instead.
-        self.eval_data = posixpath.join(self.jsonl, "00001.jsonl")
+        self.completed = posixpath.join(c, "completed.json")

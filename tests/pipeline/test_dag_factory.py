@@ -35,7 +35,8 @@ def test_demo_dag_shape(bag) -> None:
                                       "dry_run"}
     order = ["data.check", "data.demo_corpus", "data.ingest", "data.raw_gate", "data.tokenizer",
              "data.tokenize", "data.token_gate", "train.segment_1", "train.segment_2",
-             "train.segment_3", "train.segment_4", "finished", "export", "evaluate", "register"]
+             "train.segment_3", "train.segment_4", "finished", "export", "evaluate", "register",
+             "completed"]
     assert sorted(t.task_id for t in dag.tasks) == sorted(order)
     for upstream, downstream in zip(order, order[1:], strict=False):
         assert downstream in dag.get_task(upstream).downstream_task_ids, (upstream, downstream)

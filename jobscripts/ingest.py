@@ -1,6 +1,6 @@
 """Parquet shards (FineWeb layout) to JSONL shards with datatrove, with filters.
 
-    python -m jobscripts.ingest --input DIR|GLOB|s3://... --output-dir OUT
+    python -m jobscripts.ingest --input DIR|GLOB|FILE|s3://...|hf://datasets/... --output-dir OUT
         [--min-chars 1] [--max-chars 0] [--no-dedup] [--tasks N] [--workers N]
         [--hf-repo REPO --hf-allow-pattern PAT ...] [--hf-revision REV] [--result PATH]
 
@@ -11,6 +11,12 @@ The pipeline is the reference workflow's (``ParquetReader`` -> filters ->
 JSONL is written uncompressed so tokenization can split shards by byte range.
 A rerun with the same settings resumes (datatrove skips completed tasks); a rerun
 with other settings into the same directory is refused.
+
+Remote sources are fetched into ``OUT/download`` first (resumably) and read from there:
+``s3://`` with boto3 (:mod:`jobscripts.s3_fetch`), a Hugging Face dataset with
+``snapshot_download`` (:mod:`jobscripts.hf_fetch`; ``--input hf://...`` or the
+``--hf-*`` flags). The reader gets the exact list of selected files, never "whatever is in
+the directory".
 """
 
 from __future__ import annotations
@@ -31,11 +37,14 @@ GLOB_CHARS = set("*?[")
 
 
 def split_input(spec: str) -> tuple[str, str]:
-    """'dir/000_*.parquet' -> ('dir', '000_*.parquet'); a bare directory gets '*.parquet'."""
+    """'dir/000_*.parquet' -> ('dir', '000_*.parquet'); a bare directory gets '**/*.parquet'
+    (every Parquet file below it); one file 'dir/x.parquet' -> ('dir', 'x.parquet')."""
     parts = spec.rstrip("/").split("/")
     for i, part in enumerate(parts):
         if GLOB_CHARS.intersection(part):
             return "/".join(parts[:i]) or "/", "/".join(parts[i:])
+    if spec.endswith(".parquet") and os.path.isfile(spec):
+        return os.path.dirname(spec) or ".", os.path.basename(spec)
     return spec.rstrip("/"), "**/*.parquet"
 
 
@@ -86,14 +95,14 @@ def stage_stats(logging_dir: Path) -> list[dict]:
     return merged
 
 
-def build_executors(args, folder: str, glob: str, out: Path, tasks: int, workers: int):
+def build_executors(args, folder: str, paths_file: Path, out: Path, tasks: int, workers: int):
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.readers import ParquetReader
     from datatrove.pipeline.writers import JsonlWriter
 
     def head():  # reader + filters, identical in the signature and the filter stage
         reader = ParquetReader(
-            folder, glob_pattern=glob, text_key=args.text_key, id_key=args.id_key
+            folder, paths_file=str(paths_file), text_key=args.text_key, id_key=args.id_key
         )
         return [reader, LengthFilter(args.min_chars, args.max_chars)]
 
@@ -145,34 +154,64 @@ def settings_guard(out: Path, settings: dict, overwrite: bool) -> None:
     write_json_atomic(path, settings)
 
 
+def resolve_input(args, out: Path) -> tuple[str, list[str], dict]:
+    """(local folder, its selected Parquet files relative to it, download figures).
+
+    Remote sources are fetched into OUT/download first; a local one is listed in place.
+    """
+    download_dir = out / "download"
+    if args.hf_repo or (args.input or "").startswith("hf://"):
+        from jobscripts import hf_fetch
+
+        if args.hf_repo:
+            repo, patterns, revision = args.hf_repo, args.hf_allow_pattern, args.hf_revision
+            if not patterns:  # without a pattern snapshot_download takes the whole repo
+                raise StepError("--hf-repo needs at least one --hf-allow-pattern")
+        else:
+            try:
+                hf = hf_fetch.parse_hf_uri(args.input)
+            except ValueError as exc:
+                raise StepError(str(exc)) from exc
+            repo, patterns, revision = hf.repo_id, [hf.allow_pattern], hf.revision
+        folder = download_dir / "hf"
+        return str(folder), hf_fetch.download(repo, patterns, folder, revision), {}
+    if not args.input:
+        raise StepError("give --input, or --hf-repo with --hf-allow-pattern")
+    if args.input.startswith("s3://"):
+        from jobscripts import s3_fetch
+
+        folder = download_dir / "s3"
+        fetched = s3_fetch.download(args.input, folder)
+        return str(folder), fetched.pop("files"), fetched
+    if "://" in args.input:
+        raise StepError(f"cannot read {args.input}: give a local path or glob, an s3:// URI "
+                        "or an hf://datasets/ URI")
+    from datatrove.io import get_datafolder
+
+    folder, glob = split_input(args.input)
+    files = get_datafolder(folder).list_files(glob_pattern=glob)
+    if not files:
+        raise StepError(f"no Parquet file matches {glob!r} under {folder}")
+    return folder, files, {}
+
+
 def ingest(args: argparse.Namespace) -> dict:
     from datatrove.io import get_datafolder
 
     out = Path(args.output_dir)
-    source = args.input
-    if args.hf_repo:
-        from jobscripts.hf_fetch import download
-
-        source = str(
-            download(args.hf_repo, args.hf_allow_pattern, out / "download", args.hf_revision)
-        )
-    if not source:
-        raise StepError("give --input, or --hf-repo with --hf-allow-pattern")
-    folder, glob = split_input(source)
-    try:
-        data = get_datafolder(folder)
-        files = data.list_files(glob_pattern=glob)
-    except ImportError as exc:
-        raise StepError(f"cannot read {folder}: {exc} (s3:// needs s3fs: datatrove[s3])") from exc
-    if not files:
-        raise StepError(f"no Parquet file matches {glob!r} under {folder}")
+    source = args.input or f"{args.hf_repo} {args.hf_allow_pattern}"
+    folder, files, downloaded = resolve_input(args, out)
+    data = get_datafolder(folder)
     tasks = args.tasks or min(len(files), 64)
     workers = args.workers or min(tasks, len(os.sched_getaffinity(0)))
     settings = {k: v for k, v in vars(args).items() if k not in ("result", "overwrite", "workers")}
     settings_guard(out, {**settings, "tasks": tasks}, args.overwrite)
-    log(f"ingest: {len(files)} files under {folder} ({glob}), {tasks} tasks, {workers} workers")
+    # The reader's file list, sorted as datatrove's own listing is, so shards are the same.
+    paths_file = out / "input_files.txt"
+    paths_file.write_text("".join(f"{name}\n" for name in sorted(files)))
+    log(f"ingest: {len(files)} files under {folder}, {tasks} tasks, {workers} workers")
 
-    for executor in build_executors(args, folder, glob, out, tasks, workers):
+    for executor in build_executors(args, folder, paths_file, out, tasks, workers):
         executor.run()
     rows = count_rows(data, files)  # after the forks: pyarrow's thread pools and fork do not mix
     stats = stage_stats(out / "logs" / "ingest")
@@ -196,6 +235,7 @@ def ingest(args: argparse.Namespace) -> dict:
     return {
         "input": source,
         "input_files": len(files),
+        "downloaded": downloaded,
         "output_dir": str(out),
         "jsonl_files": [str(p) for p in outputs],
         "jsonl_bytes": sum(p.stat().st_size for p in outputs),
@@ -211,7 +251,8 @@ def ingest(args: argparse.Namespace) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobscripts.ingest", description=__doc__)
-    p.add_argument("--input", help="Parquet directory, glob, or s3:// prefix")
+    p.add_argument("--input", help="Parquet directory, glob or file, s3:// prefix or glob, or "
+                   "hf://datasets/ORG/NAME[@REV]/<path or glob>")
     p.add_argument("--output-dir", required=True, help="JSONL goes to OUT/jsonl, logs to OUT/logs")
     p.add_argument("--text-key", default="text")
     p.add_argument("--id-key", default="id")

@@ -81,7 +81,9 @@ class Cluster(Section):
 # --- data ---------------------------------------------------------------------------------
 class BlendItem(Section):
     weight: PosFloat
-    prefix: SafePath  # Megatron prefix: <prefix>.bin / <prefix>.idx
+    # Megatron prefix: <prefix>.bin / <prefix>.idx. Absolute: a relative one would resolve
+    # against each job's own run directory, never where the data is.
+    prefix: AbsPath
 
 
 class Gate(Section):
@@ -112,7 +114,7 @@ class Data(Section):
     # already-tokenized dataset (its manifest.json, Megatron prefixes, or a weighted blend).
     source: Source | None = None  # 'demo', s3://..., hf://..., or a Parquet path/glob
     manifest: SafePath | None = None
-    prefixes: list[SafePath] | None = Field(default=None, min_length=1)
+    prefixes: list[AbsPath] | None = Field(default=None, min_length=1)
     blend: list[BlendItem] | None = Field(default=None, min_length=1)
     split: Annotated[str, Field(pattern=r"^[0-9]+,[0-9]+,[0-9]+$")] = "969,30,1"
     min_doc_chars: PosInt = 200

@@ -14,6 +14,9 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
+from jobscripts.hf_fetch import parse_hf_uri
+from jobscripts.s3_fetch import parse_s3_uri
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -86,7 +89,11 @@ def _bind(value: str) -> str:
 
 
 def _source(value: str) -> str:
-    """A raw corpus: ``demo``, an ``s3://`` / ``hf://`` URI, or a Parquet path or glob."""
+    """A raw corpus: ``demo``, an ``s3://`` / ``hf://`` URI, or a Parquet path or glob.
+
+    URIs are parsed here by the same functions the ingest job uses, so one the job could
+    not read fails at DAG parse, naming ``data.source``.
+    """
     _clean(value)
     if value == "demo":
         return value
@@ -95,7 +102,12 @@ def _source(value: str) -> str:
                          f"digits and _./@+=:,-*?[] (got {value!r})")
     if _URI.match(value) and not value.startswith(("s3://", "hf://")):
         raise ValueError(f"only s3:// and hf:// URIs are supported (got {value!r})")
-    return _no_traversal(value)
+    _no_traversal(value)
+    if value.startswith("hf://"):
+        parse_hf_uri(value)
+    elif value.startswith("s3://"):
+        parse_s3_uri(value)
+    return value
 
 
 def env_key(value: str) -> str:

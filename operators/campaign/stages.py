@@ -7,6 +7,7 @@ command runs a ``jobscripts`` entry point with the cluster's Python
 
 from __future__ import annotations
 
+from jobscripts.hf_fetch import parse_hf_uri
 from operators.campaign.layout import RESULT_FILE, Layout
 from operators.slurm.operator import python_module_command
 
@@ -36,10 +37,21 @@ def demo_corpus(campaign, layout: Layout) -> dict:
     return _stage(campaign, "jobscripts.demo_corpus", "--output-dir", layout.corpus)
 
 
+def ingest_source_args(source: str, layout: Layout) -> list[str]:
+    """``data.source`` as ingest flags: an hf:// URI becomes ``--hf-repo/--hf-allow-pattern
+    [/--hf-revision]``, everything else (a path, a glob, s3://) is ``--input``."""
+    if source == "demo":
+        return ["--input", layout.corpus]
+    if source.startswith("hf://"):
+        hf = parse_hf_uri(source)  # the schema already accepted it: this cannot fail
+        args = ["--hf-repo", hf.repo_id, "--hf-allow-pattern", hf.allow_pattern]
+        return args + (["--hf-revision", hf.revision] if hf.revision else [])
+    return ["--input", source]
+
+
 def ingest(campaign, layout: Layout) -> dict:
     d = campaign.data
-    source = layout.corpus if d.source == "demo" else d.source
-    args = ["--input", source, "--output-dir", layout.ingest,
+    args = [*ingest_source_args(d.source, layout), "--output-dir", layout.ingest,
             "--min-chars", d.min_doc_chars, "--max-chars", d.max_doc_chars]
     if not d.dedup:
         args.append("--no-dedup")

@@ -21,6 +21,7 @@ from operators.campaign import stages
 from operators.campaign.layout import RESULT_FILE, Layout
 from operators.campaign.paths import RunPaths
 from operators.campaign.segment import TrainingSegmentOperator
+from operators.campaign.stage_operator import CampaignStageOperator
 from operators.campaign.summary import summary
 from operators.slurm.operator import SlurmJobOperator
 
@@ -78,11 +79,20 @@ def _check_data_task(campaign, layout: Layout):
     return check()
 
 
+def _stage_job(campaign, task_id: str, kwargs: dict, retry: dict,
+               **extra) -> SlurmJobOperator:
+    """A non-training stage's job; with tracking on it also logs its MLflow child run."""
+    if campaign.tracking.enabled:
+        return CampaignStageOperator(task_id=task_id, campaign=campaign, stage=task_id,
+                                     **kwargs, **retry, **extra)
+    return SlurmJobOperator(task_id=task_id, ssh_conn_id=campaign.cluster.ssh_conn_id,
+                            **kwargs, **retry, **extra)
+
+
 def _data_stage(campaign, layout: Layout, retry: dict):
     with TaskGroup("data") as group:
         def job(task_id: str, kwargs: dict, **extra) -> SlurmJobOperator:
-            return SlurmJobOperator(task_id=task_id, ssh_conn_id=campaign.cluster.ssh_conn_id,
-                                    **kwargs, **retry, **extra)
+            return _stage_job(campaign, task_id, kwargs, retry, **extra)
 
         steps = [_check_data_task(campaign, layout)]
         if campaign.data.source == "demo":
@@ -159,12 +169,9 @@ def _register_task(campaign, layout: Layout):
 
 
 def _finish_stage(campaign, layout: Layout, retry: dict) -> list:
-    conn = campaign.cluster.ssh_conn_id
     steps = [_finished_task(campaign, layout),
-             SlurmJobOperator(task_id="export", ssh_conn_id=conn,
-                              **stages.export(campaign, layout), **retry),
-             SlurmJobOperator(task_id="evaluate", ssh_conn_id=conn,
-                              **stages.evaluate(campaign, layout), **retry)]
+             _stage_job(campaign, "export", stages.export(campaign, layout), retry),
+             _stage_job(campaign, "evaluate", stages.evaluate(campaign, layout), retry)]
     if campaign.tracking.enabled:
         steps.append(_register_task(campaign, layout))
     steps.append(_completed_task(campaign, layout))

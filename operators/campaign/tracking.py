@@ -4,20 +4,27 @@ One parent run per campaign, its id stored beside the checkpoints on the cluster
 (``<campaign>/mlflow_run_id``), so every DAG run and segment continues it. Each
 segment is a child run with its Slurm accounting; its metrics (step = iteration)
 go to both the child and the parent, so the parent holds one continuous loss
-curve. When MLflow is down the tracker spools to local disk and sends later.
+curve. Every other stage (data stage, export, evaluate) is a child run too, tagged
+``pp.stage``, with its job script, log, result JSON and own reports, whether the job
+succeeded or failed. When MLflow is down the tracker spools to local disk and sends later.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import tempfile
-from pathlib import Path
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from operators.campaign.layout import Layout
 from operators.campaign.remote import read_text, write_file
 
 SPOOL_ROOT_ENV = "PP_TRACKING_SPOOL"  # where records wait while MLflow is down
+JOB_LOG_LIMIT = 8 << 20  # a stage's job log is uploaded up to its last 8 MiB
+EVALUATE_STAGE = "evaluate"  # its figures also go on the campaign's run
 
 
 def open_tracker(campaign):
@@ -53,11 +60,21 @@ def campaign_run(tracker, campaign, hook, layout: Layout) -> str | None:
     return run_id
 
 
-def _log_file(tracker, run_id: str | None, name: str, content: bytes | str) -> None:
+def _log_files(tracker, run_id: str | None, files: Mapping[str, bytes | str]) -> None:
+    """``files`` (artifact path -> content) as one upload per top-level folder, not per file:
+    a GX Data Docs tree is dozens of files. Empty contents (a file that was not there) are
+    left out."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / name
-        path.write_bytes(content.encode() if isinstance(content, str) else content)
-        tracker.log_artifact(run_id, path)
+        root = Path(tmp)
+        for name, content in files.items():
+            parts = PurePosixPath(name).parts
+            if not content or name.startswith("/") or ".." in parts:
+                continue
+            path = root.joinpath(*parts)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content.encode() if isinstance(content, str) else content)
+        for entry in sorted(root.iterdir()):
+            tracker.log_artifact(run_id, entry, entry.name if entry.is_dir() else None)
 
 
 def _link_run(tracker, ti, run_id: str | None) -> None:
@@ -71,11 +88,57 @@ def _link_run(tracker, ti, run_id: str | None) -> None:
                      value=mlflow_run_url(tracker.client.tracking_uri, experiment, real))
 
 
+def _task_child(tracker, parent: str | None, ti, tags: Mapping[str, str]) -> str | None:
+    """This task instance's child run of ``parent``, keyed by DAG run, task and map index but
+    not the try: a retry continues the same run."""
+    child = tracker.child_run(parent, f"{ti.task_id} ({ti.run_id})", tags=tags,
+                              key=f"{ti.run_id}/{ti.task_id}/{ti.map_index}")
+    _link_run(tracker, ti, child)
+    return child
+
+
+def _job_start_ms(summary: dict[str, Any]) -> int | None:
+    """The job's start as the timestamp of every value it produced: a retried task re-sends
+    the same values, which MLflow then drops instead of doubling the curve."""
+    start = (summary.get("record") or {}).get("start")
+    return int(datetime.fromisoformat(start).timestamp() * 1000) if start else None
+
+
+def _log_job(tracker, child: str | None, hook, summary: dict[str, Any],
+             files: Mapping[str, bytes | str], *, log: str | None = None, step: int = 0,
+             status: str = "FINISHED") -> None:
+    """A finished job on its child run: Slurm accounting, the job script, the job log (the
+    last ``JOB_LOG_LIMIT`` bytes unless ``log`` is given) and ``files``; then ends the run."""
+    from operators.slurm.hook import SCRIPT_NAME
+    from operators.slurm.trigger import record_from_payload
+    from operators.tracking.artifacts import JOBSCRIPTS, LOGS
+
+    tracker.log_accounting(child, record_from_payload(summary["record"]), step=step)
+    found: dict[str, bytes | str] = {}
+    script = f"{JOBSCRIPTS}/{SCRIPT_NAME}"
+    if summary.get("run_dir") and script not in files:
+        found[script] = hook.read_bytes(posixpath.join(summary["run_dir"], SCRIPT_NAME))
+    if summary.get("log_path"):
+        found[f"{LOGS}/{posixpath.basename(summary['log_path'])}"] = (
+            log if log is not None else hook.log_tail(summary["log_path"], JOB_LOG_LIMIT))
+    _log_files(tracker, child, {**found, **files})
+    tracker.finish(child, status)
+
+
+def _segment_files(files: Mapping[str, str]) -> dict[str, str]:
+    """The segment's rendered files (name -> text) under their artifact folders."""
+    from operators.slurm.hook import SCRIPT_NAME
+    from operators.tracking.artifacts import CONFIGS, JOBSCRIPTS
+
+    return {f"{JOBSCRIPTS if name == SCRIPT_NAME else CONFIGS}/{name}": text
+            for name, text in files.items()}
+
+
 def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, Any],
                   files: dict[str, str]) -> None:
     """Metrics, accounting and artifacts of one finished segment."""
     from operators.campaign import logparse
-    from operators.slurm.trigger import record_from_payload
+    from operators.tracking.runs import KIND_TAG
 
     tracker = open_tracker(campaign)
     if tracker is None:
@@ -83,39 +146,68 @@ def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, An
     tracker.flush()
     parent = campaign_run(tracker, campaign, hook, layout)
     ti = context["ti"]
-    child = tracker.child_run(parent, f"{ti.task_id} ({ti.run_id})",
-                              tags={"pp.stage": "train", "pp.segment": ti.task_id},
-                              key=f"{ti.run_id}/{ti.task_id}/{ti.map_index}")
-    _link_run(tracker, ti, child)
+    child = _task_child(tracker, parent, ti, {KIND_TAG: "segment", "pp.stage": "train",
+                                              "pp.segment": ti.task_id})
     log = hook.read_bytes(summary["log_path"], 0, 256 << 20).decode("utf-8", "replace")
     records = list(logparse.parse_lines(log.splitlines()))
     t = campaign.training
-    job = record_from_payload(summary["record"])
-    # The job's start as every value's timestamp: a retried task re-sends the same values,
-    # which MLflow then drops instead of doubling the curve.
-    stamp = int(job.start.timestamp() * 1000) if job.start else None
+    stamp = _job_start_ms(summary)
     for run_id in (child, parent):
         tracker.log_metrics(run_id, records, seq_length=t.seq_length,
                             global_batch_size=t.global_batch_size, timestamp_ms=stamp)
     result = summary.get("result") or {}
-    tracker.log_accounting(child, job, step=result.get("end_iteration") or 0)
     if result.get("checkpoint"):
         tracker.record_checkpoint(parent, result["checkpoint"]["path"],
                                   result["checkpoint"].get("iteration"))
-    for name, content in {**files, "job.log": log}.items():
-        _log_file(tracker, child, name, content)
-    tracker.finish(child, "FINISHED")
+    _log_job(tracker, child, hook, summary, _segment_files(files), log=log,
+             step=result.get("end_iteration") or 0)
+
+
+def _log_evaluation(tracker, runs: tuple[str | None, ...], hook, layout: Layout,
+                    summary: dict[str, Any]) -> None:
+    """An evaluation's figures on its child run and the campaign's, at step = the campaign's
+    checkpoint iteration (the one that was exported), so several evaluations make a curve."""
+    from operators.campaign.remote import read_iteration
+    from operators.tracking.registry import eval_metrics
+
+    result = summary.get("result") or {}
+    values = eval_metrics(result) if result.get("ok") else {}
+    if not values:
+        return
+    step = read_iteration(hook, layout)
+    for run_id in runs:
+        tracker.log_values(run_id, values, step, timestamp_ms=_job_start_ms(summary))
+
+
+def track_stage(campaign, hook, layout: Layout, context, stage: str, summary: dict[str, Any],
+                files: Mapping[str, bytes | str], status: str = "FINISHED") -> None:
+    """A non-training stage's child run (tag ``pp.stage``): its job, ``files`` (artifact path
+    -> content: result JSON, reports, manifest...), ended with ``status``; an evaluation's
+    figures also on the campaign's run."""
+    from operators.tracking.runs import KIND_TAG
+
+    tracker = open_tracker(campaign)
+    if tracker is None:
+        return
+    tracker.flush()
+    parent = campaign_run(tracker, campaign, hook, layout)
+    child = _task_child(tracker, parent, context["ti"], {KIND_TAG: "stage", "pp.stage": stage})
+    if stage == EVALUATE_STAGE:
+        _log_evaluation(tracker, (child, parent), hook, layout, summary)
+    _log_job(tracker, child, hook, summary, files, status=status)
 
 
 def register(campaign, hook, layout: Layout, iteration: int,
              evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
     """Register the exported model with lineage tags and the alias ``candidate``.
 
-    The export directory is read from the Airflow machine's file system: true for
-    the local cluster; on a real cluster it must be shared (or synced) with Airflow.
+    The export directory is fetched from the cluster through ``hook`` (SFTP) into a temporary
+    directory, only when it still has to be uploaded: Airflow's machines need not see the
+    cluster's disk (operators/campaign/export_fetch.py).
     """
     import hashlib
 
+    from operators.campaign.export_fetch import ClusterExport
     from operators.tracking.registry import Lineage, register_model
 
     tracker = open_tracker(campaign)
@@ -128,7 +220,8 @@ def register(campaign, hook, layout: Layout, iteration: int,
         campaign=campaign.name, iteration=iteration,
         dataset_manifest_hash=hashlib.sha256(manifest.encode()).hexdigest() if manifest else None,
         config_hash=hashlib.sha256(config.encode()).hexdigest())
-    reg = register_model(tracker.client, f"pretrain-{campaign.name}", parent, layout.hf_export,
-                         lineage, evaluation=evaluation)
+    reg = register_model(tracker.client, f"pretrain-{campaign.name}", parent,
+                         ClusterExport(hook, layout.hf_export, iteration), lineage,
+                         evaluation=evaluation)
     return {"name": reg.name, "version": reg.version, "run_id": reg.run_id,
             "created": reg.created}

@@ -212,6 +212,29 @@ class SlurmHook:
         data = self.read_bytes(path, max(0, total - max_bytes), max_bytes)
         return data.decode("utf-8", "replace")
 
+    def list_files(self, path: str) -> list[tuple[str, int, float]]:
+        """Regular files under ``path``, recursively: (relative path, size, mtime), sorted;
+        [] when ``path`` does not exist. Symlinks are not followed (no loops, nothing outside)."""
+        import stat
+
+        def walk(client: paramiko.SSHClient) -> list[tuple[str, int, float]]:
+            found, todo = [], [""]
+            with client.open_sftp() as sftp:
+                while todo:
+                    rel = todo.pop()
+                    try:
+                        entries = sftp.listdir_attr(posixpath.join(path, rel))
+                    except FileNotFoundError:
+                        continue
+                    for entry in entries:
+                        name = posixpath.join(rel, entry.filename)
+                        if stat.S_ISDIR(entry.st_mode or 0):
+                            todo.append(name)
+                        elif stat.S_ISREG(entry.st_mode or 0):
+                            found.append((name, entry.st_size or 0, entry.st_mtime or 0))
+            return sorted(found)
+        return self._with_retries("list", walk)
+
     # -- Slurm -----------------------------------------------------------------
     def submit(self, spec: JobSpec, run_dir: str,
                files: Mapping[str, str | bytes] | None = None) -> str:

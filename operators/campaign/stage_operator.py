@@ -1,0 +1,135 @@
+"""``CampaignStageOperator``: a non-training stage's Slurm job that also reports to MLflow.
+
+Used by the DAG factory for the data stage, export and evaluate when the campaign's tracking
+is on. When its job ends, whether it succeeded or failed (a failed gate's report is what
+people need to see), the stage gets a child run of the campaign's run (tag ``pp.stage``) with
+its job script and log, result JSON, Slurm accounting, and its own files, read from the
+cluster over SFTP:
+
+    raw_gate    reports/raw_gate.json, reports/data_docs/ (the GX Data Docs pages)
+    token_gate  reports/token_gate.json, data/manifest.json
+    tokenize    results/tokenize.json, data/manifest.json
+    export      results/export.json, configs/config.json (never the weights)
+    evaluate    eval/evaluate.json; its figures also on the campaign's run
+    others      results/<stage>.json
+
+Tracking never fails or holds up the stage: an error is logged, MLflow down means the
+tracker spools.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any, NamedTuple
+
+from operators.campaign.layout import Layout
+from operators.campaign.paths import RunPaths
+from operators.slurm.errors import SlurmJobFailed
+from operators.slurm.links import MlflowRunLink
+from operators.slurm.operator import XCOM_JOB, SlurmJobOperator
+from operators.tracking.artifacts import CONFIGS, DATA, EVAL, REPORTS
+
+RESULTS = "results"  # the result JSON of a stage that is neither a gate nor an evaluation
+# Only the pages and their styles: GX's fonts and images are 4 MB of every Data Docs site.
+DOC_SUFFIXES = (".html", ".css")
+# The Data Docs folder keeps every earlier validation's page; the newest fit in this budget.
+MAX_TREE_BYTES = 4 << 20
+
+
+class Source(NamedTuple):
+    """A file (or, with ``tree``, a folder) on the cluster and its artifact folder."""
+
+    artifact_dir: str
+    remote: str
+    tree: bool = False
+
+
+RESULT_DIRS = {"raw_gate": REPORTS, "token_gate": REPORTS, "evaluate": EVAL}
+
+
+def stage_sources(stage: str, layout: Layout) -> list[Source]:
+    """What each stage leaves behind that people look at, besides its result JSON."""
+    return {
+        "raw_gate": [Source(f"{REPORTS}/data_docs",
+                            posixpath.join(layout.raw_gate, "data_docs"), tree=True)],
+        "tokenize": [Source(DATA, layout.manifest)],
+        "token_gate": [Source(DATA, layout.manifest)],
+        "export": [Source(CONFIGS, posixpath.join(layout.hf_export, "config.json"))],
+    }.get(stage, [])
+
+
+def _tree(hook, source: Source) -> dict[str, bytes]:
+    """The folder's pages, newest first, until ``MAX_TREE_BYTES``."""
+    files = [f for f in hook.list_files(source.remote) if f[0].endswith(DOC_SUFFIXES)]
+    picked, total = {}, 0
+    for rel, size, _mtime in sorted(files, key=lambda f: f[2], reverse=True):
+        if total + size > MAX_TREE_BYTES:
+            continue
+        picked[f"{source.artifact_dir}/{rel}"] = hook.read_bytes(
+            posixpath.join(source.remote, rel), 0, size)
+        total += size
+    return picked
+
+
+def stage_files(hook, layout: Layout, stage: str, result: Any) -> dict[str, bytes | str]:
+    """Artifact path -> content for one stage's child run (the job's script and log aside)."""
+    files: dict[str, bytes | str] = {}
+    if result is not None:
+        files[f"{RESULT_DIRS.get(stage, RESULTS)}/{stage}.json"] = json.dumps(
+            result, indent=2, sort_keys=True)
+    for source in stage_sources(stage, layout):
+        if source.tree:
+            files.update(_tree(hook, source))
+        else:
+            name = f"{source.artifact_dir}/{posixpath.basename(source.remote)}"
+            files[name] = hook.read_bytes(source.remote, 0, MAX_TREE_BYTES)
+    return files
+
+
+class CampaignStageOperator(SlurmJobOperator):
+    """One non-training stage of ``campaign`` (``stage``: ``raw_gate``, ``export``, ...) as a
+    Slurm job; the other arguments are ``SlurmJobOperator``'s (see operators/campaign/stages)."""
+
+    operator_extra_links = (*SlurmJobOperator.operator_extra_links, MlflowRunLink())
+
+    def __init__(self, *, campaign, stage: str, **kwargs: Any) -> None:
+        super().__init__(ssh_conn_id=campaign.cluster.ssh_conn_id, **kwargs)
+        self.campaign = campaign
+        self.stage = stage
+
+    def _complete(self, context, event: dict[str, Any]) -> Any:
+        try:
+            summary = super()._complete(context, event)
+        except SlurmJobFailed:
+            self._track(context, event, None)
+            raise
+        self._track(context, event, summary)
+        return summary
+
+    def _failed_summary(self, context, event: dict[str, Any]) -> dict[str, Any]:
+        """What the success summary would hold, for a job that failed: a failed step still
+        writes its result JSON (jobscripts/common.py), e.g. every check of a failed gate."""
+        ti = context["ti"]
+        info = ti.xcom_pull(task_ids=self.task_id, key=XCOM_JOB, map_indexes=ti.map_index) or {}
+        result = None
+        if self.result_file and info.get("run_dir"):
+            result = self.hook.read_json(posixpath.join(info["run_dir"], self.result_file))
+        return {"job_id": event["job_id"], "outcome": event["outcome"],
+                "record": event["record"], "run_dir": info.get("run_dir"),
+                "log_path": info.get("log_path"), "result": result}
+
+    def _track(self, context, event: dict[str, Any], summary: dict[str, Any] | None) -> None:
+        """MLflow gets the stage (``summary`` None: its job failed); a tracking failure must
+        not change the stage's outcome."""
+        from operators.campaign.tracking import track_stage
+
+        try:
+            status = "FINISHED" if summary is not None else "FAILED"
+            summary = summary or self._failed_summary(context, event)
+            layout = Layout(RunPaths.for_campaign(self.campaign))
+            files = stage_files(self.hook, layout, self.stage, summary.get("result"))
+            track_stage(self.campaign, self.hook, layout, context, self.stage, summary, files,
+                        status)
+        except Exception:  # noqa: BLE001 - logged; the stage's own outcome stands
+            self.log.exception("tracking stage %s in MLflow failed", self.stage)

@@ -1,17 +1,62 @@
-"""Shared fixtures: the local cluster, and a real Airflow (``dags test`` and ``standalone``)."""
+"""Shared fixtures: the local cluster, a real Airflow (``dags test`` and ``standalone``), and a
+real MLflow server with its artifacts on a real moto S3 server.
+
+mlflow's boot is the slow part (20-60 s of imports on 2 cores), so the tracking servers start
+booting as soon as collection shows a test that needs them, and the boot overlaps the tests
+that run before.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.support import cluster
 from tests.support.airflow import Standalone, airflow_env, migrate
+from tests.support.mlflow_server import MlflowServer, MotoS3, TrackingStack
 
 DAGS = Path(__file__).parent / "dags"
+BUCKET = "pp-artifacts"
+_stack: dict[str, TrackingStack] = {}
+
+
+def _boot() -> TrackingStack:
+    if "stack" not in _stack:
+        home = Path(tempfile.mkdtemp(prefix="pp-tracking-servers-"))
+        _stack["stack"] = TrackingStack(home, BUCKET).start()
+    return _stack["stack"]
+
+
+def pytest_collection_modifyitems(items):
+    if any("servers" in getattr(item, "fixturenames", ()) for item in items):
+        _boot()
+
+
+def pytest_sessionfinish():
+    stack = _stack.pop("stack", None)
+    if stack is not None:
+        stack.stop()
+        shutil.rmtree(stack.mlflow.db_path.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def servers():
+    stack = _boot().wait_ready()
+    return stack.s3, stack.mlflow
+
+
+@pytest.fixture(scope="session")
+def s3_server(servers) -> MotoS3:
+    return servers[0]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(servers) -> MlflowServer:
+    return servers[1]
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from operators.campaign.paths import RunPaths
 from operators.campaign.plan import SegmentNoProgress, check_progress
 from operators.campaign.remote import (
     append_history,
+    missing_files,
     read_history,
     read_iteration,
     read_text,
@@ -73,8 +74,35 @@ class TrainingSegmentOperator(SlurmJobOperator):
             return list(data.prefixes)
         return [x for item in data.blend for x in (str(item.weight), item.prefix)]
 
+    def _require_data(self, data_path: list[str], origin: str | None) -> None:
+        """Fail before any sbatch when a prefix to train on lacks its .bin/.idx on the
+        cluster: the job would otherwise die minutes in, after its queue wait. Retrying
+        cannot create the data, so no retry either."""
+        from jobscripts.blend import missing_prefixes
+
+        data = self.campaign.data
+        if data.blend is not None and origin is None:
+            entries = list(zip(data_path[::2], data_path[1::2], strict=True))
+            fields = {b.prefix: f"data.blend[{i}].prefix" for i, b in enumerate(data.blend)}
+        else:
+            entries = [(1, p) for p in data_path]
+            fields = {p: origin or f"data.prefixes[{i}]" for i, p in enumerate(data_path)}
+        absent = set(missing_files(self.hook, [p + s for _w, p in entries
+                                               for s in (".bin", ".idx")]))
+        missing = missing_prefixes(entries, exists=lambda path: path not in absent)
+        if missing:
+            raise AirflowFailException(
+                "training data missing on the cluster, nothing submitted (a Megatron prefix "
+                "needs a readable <prefix>.bin and <prefix>.idx): " + "; ".join(
+                    f"{fields[p]} {p}: no " + " or ".join(
+                        f for f in (p + ".bin", p + ".idx") if f in absent) for p in missing))
+
     def execute(self, context) -> Any:
         params = context["params"]
+        allowed = int(params.get("segments_per_run") or self.campaign.segments.max_per_run)
+        if self.segment > allowed:
+            raise AirflowSkipException(f"segment {self.segment} of this run: the run may submit "
+                                       f"{allowed} (segments_per_run)")
         layout = self._layout()
         train_iters = int(params.get("train_iters") or self.campaign.training.train_iters)
         before = read_iteration(self.hook, layout)
@@ -86,7 +114,9 @@ class TrainingSegmentOperator(SlurmJobOperator):
         except ValueError as exc:  # ManifestError: retrying cannot make the data match
             raise AirflowFailException(str(exc)) from exc
         history = read_history(self.hook, layout)
-        self._render_segment(layout, self._data_path(layout, manifest), history, train_iters)
+        data_path = self._data_path(layout, manifest)
+        self._require_data(data_path, "the dataset manifest" if manifest is not None else None)
+        self._render_segment(layout, data_path, history, train_iters)
         context["ti"].xcom_push(key=XCOM_START, value=before)
         self.log.info("segment %s resumes at iteration %s of %s", self.segment, before,
                       train_iters)

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,11 @@ def _log_line(item: Any) -> str:
     for exc in item.get("error_detail") or []:
         line += f"\n{exc.get('exc_type')}: {exc.get('exc_value')}"
     return line
+
+
+def _utc(stamp: str) -> datetime:
+    when = datetime.fromisoformat(stamp)
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -140,6 +146,26 @@ class Standalone:
         for pid in pids:
             os.kill(pid, sig)
         return pids
+
+    def restart_components(self, *names: str, timeout: float = 180) -> None:
+        """Kill ``names`` with SIGKILL (a crash: no clean shutdown) and start them again.
+
+        ``standalone`` does not restart a component that died, so the test does, in the
+        same process group: ``stop()`` still ends everything.
+        """
+        killed_at = datetime.now(UTC)
+        for name in names:
+            if not self.kill_component(name):
+                raise RuntimeError(f"no '{name}' process in standalone's group")
+        for name in names:
+            subprocess.Popen([AIRFLOW, name], env=self.env, cwd=REPO, stdout=self._log,
+                             stderr=subprocess.STDOUT, process_group=self.proc.pid)
+
+        def beating() -> bool:
+            health = self.request("GET", "/api/v2/monitor/health")
+            beats = [(health.get(n) or {}).get(f"latest_{n}_heartbeat") for n in names]
+            return all(b and _utc(b) > killed_at for b in beats)
+        wait_for(beating, timeout, f"restarted {names} to heartbeat")
 
     # -- REST --------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None) -> Any:

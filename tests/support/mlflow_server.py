@@ -180,11 +180,11 @@ class MlflowServer(_Server):
                                port=port or self.port, schema="http", login=S3_KEY_ID,
                                password=S3_SECRET, extra=json.dumps(extra))
 
-    def airflow_conn_json(self) -> str:
+    def airflow_conn_json(self, *, port: int | None = None) -> str:
         """The same connection as ``AIRFLOW_CONN_<ID>`` JSON, for Airflow processes."""
         import json
 
-        conn = self.connection()
+        conn = self.connection(port=port)
         return json.dumps({"conn_type": conn.conn_type, "host": conn.host, "port": conn.port,
                            "schema": conn.schema, "login": conn.login,
                            "password": conn.password, "extra": json.loads(conn.extra)})

@@ -16,6 +16,10 @@ training data a document follows the previous one's EOD), and every token of the
 scored given what precedes it in its window. No token outside the text is scored, so the
 byte count and the scored tokens cover exactly the same text.
 
+Documents arrive as text (a JSONL held-out file, tokenized here) or as token ids read from the
+tokenized dataset's held-out split (jobscripts/eval_data.py); both pass through
+``take_documents`` and the same windows, so either way a backend sees only token ids.
+
 No torch or vLLM here: pure functions, tested alone.
 """
 
@@ -33,6 +37,45 @@ class Document:
     token_ids: list[int]  # the text's tokens, without the leading EOD
     n_bytes: int  # UTF-8 bytes of the text these tokens cover
     truncated: bool = False  # cut by the token budget
+    source: object = None  # where it came from (the caller's label), for the result JSON
+
+
+def take_documents(
+    items: Iterable[tuple[Sequence[int], int | None, object]],
+    decode: Callable[[list[int]], str],
+    max_documents: int | None = None,
+    max_tokens: int | None = None,
+) -> list[Document]:
+    """Documents from ``(token ids, UTF-8 bytes or None, source)`` items, up to
+    ``max_documents``, stopping at ``max_tokens`` scored tokens.
+
+    The bytes are those of the text the ids came from; None (ids read from a tokenized
+    dataset, no text at hand) counts the bytes of the decoded ids. The document that
+    crosses the token budget is cut and counts the bytes of its decoded kept tokens, so bits
+    per byte always divides by the text actually scored. Documents without tokens are
+    skipped: there is nothing to score.
+    """
+    documents: list[Document] = []
+    budget = max_tokens if max_tokens is not None else math.inf
+    remaining = iter(items)
+    # Caps are checked before the next item is pulled: nothing past them is read or encoded.
+    while (max_documents is None or len(documents) < max_documents) and budget > 0:
+        item = next(remaining, None)
+        if item is None:
+            break
+        ids, n_bytes, source = item
+        ids = list(ids)
+        if not ids:
+            continue
+        if len(ids) > budget:
+            ids = ids[: int(budget)]
+            documents.append(Document(ids, len(decode(ids).encode("utf-8")), True, source))
+        else:
+            if n_bytes is None:
+                n_bytes = len(decode(ids).encode("utf-8"))
+            documents.append(Document(ids, n_bytes, False, source))
+        budget -= len(ids)
+    return documents
 
 
 def prepare_documents(
@@ -42,27 +85,10 @@ def prepare_documents(
     max_documents: int | None = None,
     max_tokens: int | None = None,
 ) -> list[Document]:
-    """Tokenize up to ``max_documents`` texts, stopping at ``max_tokens`` scored tokens.
-
-    The document that crosses the token budget is cut; its byte count is then that of the
-    decoded kept tokens, so bits per byte still divides by the text actually scored. Empty
-    texts are skipped: they have no token to score.
-    """
-    documents: list[Document] = []
-    budget = max_tokens if max_tokens is not None else math.inf
-    for text in texts:
-        if (max_documents is not None and len(documents) >= max_documents) or budget <= 0:
-            break
-        ids = list(encode(text))
-        if not ids:
-            continue
-        if len(ids) > budget:
-            ids = ids[: int(budget)]
-            documents.append(Document(ids, len(decode(ids).encode("utf-8")), truncated=True))
-        else:
-            documents.append(Document(ids, len(text.encode("utf-8"))))
-        budget -= len(ids)
-    return documents
+    """Tokenize up to ``max_documents`` texts (see ``take_documents``); empty texts are
+    skipped. Texts are encoded lazily: the caps stop reading early."""
+    items = ((encode(text), len(text.encode("utf-8")), None) for text in texts)
+    return take_documents(items, decode, max_documents, max_tokens)
 
 
 def windows(token_ids: Sequence[int], context_id: int, window_len: int) -> list[list[int]]:

@@ -1,6 +1,8 @@
 """Evaluate an exported Hugging Face model: held-out perplexity, bits per byte, samples.
 
-    python -m jobscripts.evaluate --model HF_DIR --data heldout.jsonl --max-model-len 4096
+    python -m jobscripts.evaluate --model HF_DIR --max-model-len 4096
+        (--manifest DATA/manifest.json | --dataset PREFIX ... | --data heldout.jsonl)
+        [--split 95,5,0] [--heldout-split auto|test|valid]
         [--backend transformers|vllm|vllm-server] [--server-url URL | --server-port P]
         [--max-documents N] [--max-tokens N] [--text-field text]
         [--prompt TEXT ...] [--prompts-file prompts.json] [--temperatures 0 0.8]
@@ -15,10 +17,22 @@ windows and their log-probabilities go through jobscripts/eval_metrics.py, so th
 mean the same whichever computed them. ``--max-model-len`` must be the training sequence
 length: documents longer than that are cut into windows the model was trained on.
 
-Result JSON (default <output dir>/eval.json): ok, error, model, backend, data, max_model_len,
-window_len, nll_per_token, perplexity, bits_per_token, bits_per_byte, tokens_evaluated,
-bytes_evaluated, documents_evaluated, documents_truncated, samples [{prompt, temperature,
-completion}], lm_eval ({task: {metric: value}} or null), step, seconds.
+What is evaluated: with ``--manifest`` (its prefixes) or ``--dataset`` (Megatron prefixes), the
+documents of each prefix that training never saw under ``--split`` (the training's
+``data.split``): the test split when it has documents, else the validation split
+(jobscripts/eval_data.py), read as token ids from the ``.bin/.idx``; bits per byte counts the
+bytes of their decoded text. ``--data`` is a separate held-out JSONL instead, tokenized here.
+Several prefixes are interleaved; ``--max-documents``/``--max-tokens`` take the first
+documents of the split(s).
+
+Result JSON (default <output dir>/eval.json): ok, error, model, backend, data, heldout,
+max_model_len, window_len, nll_per_token, perplexity, bits_per_token, bits_per_byte,
+tokens_evaluated, bytes_evaluated, documents_evaluated, documents_truncated, samples
+[{prompt, temperature, completion}], lm_eval ({task: {metric: value}} or null), step, seconds.
+``heldout`` (null with ``--data``): split_weights, split ("test"/"valid", or "mixed" when
+prefixes differ), datasets [{prefix, split, documents, split_range [begin, end),
+split_documents, evaluated_documents, evaluated_range [first, last + 1)}]; documents of the
+evaluated range that are not counted had no token besides the EOD.
 """
 
 from __future__ import annotations
@@ -30,7 +44,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jobscripts.common import StepError, entry_point, log
-from jobscripts.eval_metrics import prepare_documents, score
+from jobscripts.eval_data import HELDOUT_CHOICES
+from jobscripts.eval_metrics import Document, prepare_documents, score, take_documents
 
 BACKENDS = ("transformers", "vllm", "vllm-server")
 SERVED_NAME = "model"
@@ -54,6 +69,57 @@ def read_texts(path: Path, field: str) -> Iterator[str]:
             if not isinstance(text, str):
                 raise StepError(f"{path}:{number}: no string field {field!r}")
             yield text
+
+
+def dataset_prefixes(args: argparse.Namespace, eod: int) -> list[str]:
+    """The Megatron prefixes to take held-out documents from: ``--dataset``, or the manifest's
+    (which must have been tokenized with this model's EOD, or every window is off by it)."""
+    if args.dataset:
+        return list(args.dataset)
+    from jobscripts import manifest as manifests
+
+    try:
+        manifest = manifests.load(args.manifest)
+    except manifests.ManifestError as exc:
+        raise StepError(str(exc)) from exc
+    if manifest["settings"]["eod_id"] != eod:
+        raise StepError(f"{args.manifest}: tokenized with EOD {manifest['settings']['eod_id']}, "
+                        f"the model's tokenizer has EOD {eod}")
+    return manifests.data_prefixes(manifest, Path(args.manifest).parent)
+
+
+def split_documents(args: argparse.Namespace, tokenizer, eod: int):
+    """(documents, the result JSON's ``heldout`` record) from the datasets' held-out splits."""
+    from jobscripts.eval_data import heldout_documents, open_heldout
+
+    prefixes = dataset_prefixes(args, eod)
+    try:
+        opened = open_heldout(prefixes, args.split, args.heldout_split)
+    except (OSError, ValueError) as exc:
+        raise StepError(f"held-out data: {exc}") from exc
+    for heldout, _ in opened:
+        log(f"{heldout.prefix}: {heldout.split} split = documents [{heldout.begin}, "
+            f"{heldout.end}) of {heldout.documents} (split {args.split})")
+    items = ((ids, None, (number, index)) for number, index, ids in heldout_documents(opened, eod))
+    documents = take_documents(items, tokenizer.decode, args.max_documents, args.max_tokens)
+    splits = {heldout.split for heldout, _ in opened}
+    record = {"split_weights": args.split,
+              "split": splits.pop() if len(splits) == 1 else "mixed",
+              "datasets": [heldout.record([d.source[1] for d in documents
+                                           if d.source[0] == number])
+                           for number, (heldout, _) in enumerate(opened)]}
+    return documents, record
+
+
+def load_documents(args: argparse.Namespace, tokenizer, eod: int
+                   ) -> tuple[list[Document], dict | None]:
+    if args.data is None:
+        return split_documents(args, tokenizer, eod)
+    documents = prepare_documents(
+        read_texts(Path(args.data), args.text_field),
+        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        decode=tokenizer.decode, max_documents=args.max_documents, max_tokens=args.max_tokens)
+    return documents, None
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -128,12 +194,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     eod = tokenizer.eos_token_id
     if eod is None:
         raise StepError(f"{args.tokenizer or args.model}: the tokenizer defines no EOS/EOD token")
-    documents = prepare_documents(
-        read_texts(Path(args.data), args.text_field),
-        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-        decode=tokenizer.decode, max_documents=args.max_documents, max_tokens=args.max_tokens)
+    documents, heldout = load_documents(args, tokenizer, eod)
     if not documents:
-        raise StepError(f"{args.data}: no non-empty {args.text_field!r} text to evaluate")
+        raise StepError(f"{args.data or 'the held-out split'}: no document with tokens to "
+                        "evaluate")
     log(f"{len(documents)} documents, {sum(len(d.token_ids) for d in documents)} tokens; "
         f"backend {args.backend}")
     lm_eval = run_lm_eval(args) if args.lm_eval_tasks else None  # first: it needs the GPU
@@ -144,9 +208,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         log(f"perplexity {summary['perplexity']:.4f}, bits/byte {summary['bits_per_byte']}, "
             f"nll/token {summary['nll_per_token']:.4f} over {summary['tokens_evaluated']} tokens")
         samples = sample(backend, tokenizer, read_prompts(args), args, eod)
-    return {"model": str(args.model), "backend": args.backend, "data": str(args.data),
-            "max_model_len": args.max_model_len, "window_len": window_len, **summary,
-            "samples": samples, "lm_eval": lm_eval}
+    return {"model": str(args.model), "backend": args.backend, "data": args.data,
+            "heldout": heldout, "max_model_len": args.max_model_len, "window_len": window_len,
+            **summary, "samples": samples, "lm_eval": lm_eval}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,8 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
-    p.add_argument("--data", required=True, help="held-out JSONL")
-    p.add_argument("--text-field", default="text")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--manifest", help="the tokenized dataset's manifest.json: its prefixes")
+    source.add_argument("--dataset", action="append",
+                        help="a Megatron prefix (PATH_text_document; repeatable)")
+    source.add_argument("--data", help="a held-out JSONL of texts instead")
+    p.add_argument("--split", default="969,30,1",
+                   help="the training's train,valid,test weights (data.split)")
+    p.add_argument("--heldout-split", choices=HELDOUT_CHOICES, default="auto",
+                   help="auto: test when it has documents, else valid")
+    p.add_argument("--text-field", default="text", help="--data: the JSONL text field")
     p.add_argument("--max-model-len", type=int, required=True,
                    help="the training sequence length")
     p.add_argument("--backend", choices=BACKENDS, default="transformers")

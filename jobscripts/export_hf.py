@@ -23,11 +23,17 @@ Both paths:
   shape (read from the headers: no 16 GB load); on the reference path also a CPU forward
   pass of the exported model gives the checkpoint's logits on a fixed input (``--atol``);
 - build in a temp directory beside ``--output`` and rename it into place, so a reader sees
-  the old export or the new one, never half of one.
+  the old export or the new one, never half of one;
+- then write ``<output>.export.json`` beside it, whatever ``--result`` says: the listing
+  (file names and sizes) that registration fetches over SFTP and checks what it got against
+  (operators/campaign/export_fetch.py). Its ``iteration`` and ``files`` describe the directory
+  published just before it; a crash in between leaves sizes that no longer match, which
+  registration refuses.
 
-Result JSON (default <output>.export.json): ok, error, mode, output, iteration, checkpoint,
-fallback_reason, files {name: bytes}, total_bytes, verification {config_class, vocab_size,
-tokenizer_size, tensors_checked, max_abs_logit_diff, atol, input_tokens}, step, seconds.
+Result JSON (default: the listing, <output>.export.json): ok, error, mode, output, iteration,
+checkpoint, fallback_reason, files {name: bytes}, total_bytes, verification {config_class,
+vocab_size, tokenizer_size, tensors_checked, max_abs_logit_diff, atol, input_tokens}, step,
+seconds.
 """
 
 from __future__ import annotations
@@ -41,12 +47,18 @@ from pathlib import Path
 
 from jobscripts import checkpoints
 from jobscripts.common import StepError, entry_point, log
+from jobscripts.results import write_json_atomic
 
 # Everything AutoTokenizer may need from a tokenizer directory; absent ones are skipped.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
                    "tokenizer.model", "chat_template.jinja")
 _STAGING_PREFIX = ".tmp-"
+LISTING_SUFFIX = ".export.json"  # <output><suffix>: the published export's listing
+
+
+def listing_path(output: str | Path) -> Path:
+    return Path(f"{Path(output)}{LISTING_SUFFIX}")
 
 
 def select_checkpoint(root: Path, iteration: int | None) -> checkpoints.ResumePoint:
@@ -219,10 +231,12 @@ def export(args: argparse.Namespace) -> dict:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     log(f"exported iteration {point.iteration}: {sum(files.values())} bytes in {len(files)} "
         f"files; {json.dumps(verification)}")
-    return {"mode": "bridge" if args.bridge else "reference", "output": str(output),
-            "iteration": point.iteration, "checkpoint": str(point.path),
-            "fallback_reason": point.fallback_reason, "files": files,
-            "total_bytes": sum(files.values()), "verification": verification}
+    result = {"mode": "bridge" if args.bridge else "reference", "output": str(output),
+              "iteration": point.iteration, "checkpoint": str(point.path),
+              "fallback_reason": point.fallback_reason, "files": files,
+              "total_bytes": sum(files.values()), "verification": verification}
+    write_json_atomic(listing_path(output), {**result, "ok": True})
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,10 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# The default result sits beside the export, never inside it (publishing replaces the
-# directory); entry_point joins result_dir and result_name, so the whole path goes in the first.
+# The default result is the listing itself, beside the export, never inside it (publishing
+# replaces the directory); entry_point joins result_dir and result_name, so the whole path goes
+# in the first.
 main = entry_point("export_hf", build_parser, export, "",
-                   result_dir=lambda args: f"{Path(args.output)}.export.json")
+                   result_dir=lambda args: str(listing_path(args.output)))
 
 if __name__ == "__main__":
     raise SystemExit(main())

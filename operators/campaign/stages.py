@@ -12,7 +12,7 @@ from operators.campaign.layout import RESULT_FILE, Layout
 from operators.slurm.operator import python_module_command
 
 MERGED_PREFIX = "corpus"  # -> <data dir>/corpus_text_document.bin/.idx
-EVAL_DOCUMENTS = 32  # documents of the evaluation sample scored per evaluation
+EVAL_DOCUMENTS = 32  # held-out documents scored per evaluation (the split's first ones)
 
 
 def stage_job(campaign, cpus: int | None = None) -> dict:
@@ -100,10 +100,22 @@ def export(campaign, layout: Layout) -> dict:
     return _stage(campaign, "jobscripts.export_hf", *args)
 
 
+def heldout_data_args(campaign, layout: Layout) -> list[str]:
+    """Where evaluation finds the documents training never saw: the same prefixes the
+    segments train on (the data stage's manifest, or the campaign's own prefixes), split as
+    ``data.split`` splits them (jobscripts/eval_data.py picks the test or validation part)."""
+    d = campaign.data
+    if d.prefixes or d.blend:
+        prefixes = d.prefixes or [b.prefix for b in d.blend]
+        return [x for p in prefixes for x in ("--dataset", p)]
+    return ["--manifest", d.manifest or layout.manifest]
+
+
 def evaluate(campaign, layout: Layout) -> dict:
-    """Perplexity and bits per byte on the evaluation sample, plus sample completions."""
+    """Perplexity and bits per byte on held-out documents, plus sample completions."""
     backend = "transformers" if campaign.model.reference is not None else "vllm"
     return _stage(campaign, "jobscripts.evaluate", "--model", layout.hf_export,
-                   "--data", layout.eval_data, "--max-model-len", campaign.training.seq_length,
-                   "--backend", backend, "--max-documents", EVAL_DOCUMENTS,
+                  *heldout_data_args(campaign, layout), "--split", campaign.data.split,
+                  "--max-model-len", campaign.training.seq_length,
+                  "--backend", backend, "--max-documents", EVAL_DOCUMENTS,
                   "--max-new-tokens", 32, "--prompt", "The", "--output-dir", ".")

@@ -5,12 +5,18 @@ checkpoint iteration. A version carries lineage tags: campaign, dataset manifest
 checkpoint iteration, config hash, and the evaluation metrics; the newest registration gets
 the alias ``candidate`` (promotion past candidate is a person's decision, not the DAG's).
 
+The export is an ``ExportSource``: where it is (recorded in the version's tags) and a way to
+get a local copy of it. ``LocalExport`` is a directory on this machine; the campaign DAG passes
+one that fetches the directory from the cluster over SFTP (operators/campaign/export_fetch.py),
+so nothing assumes the cluster's disk is mounted where Airflow runs.
+
 Steps, each safe to repeat after a crash or an Airflow retry:
 1. a version whose tags name this campaign and iteration already exists -> return it
-   (alias set again); nothing else is logged twice;
+   (alias set again); nothing else is logged twice, nothing is fetched;
 2. the export directory is uploaded as artifacts of a child run of the campaign's run
    (``export-iter_XXXXXXX``, runs.child_run: found again if an earlier attempt created it);
-   an upload counts once the run is tagged complete, so a half-done upload is redone;
+   an upload counts once the run is tagged complete, so a half-done upload is redone; the
+   local copy is made only for the upload;
 3. the evaluation metrics go on the campaign's run (step = iteration, so several exports make
    a curve) and on the export run;
 4. the version is created from ``runs:/<export run>/model`` and the alias moved to it.
@@ -20,10 +26,12 @@ DAG runs one registration task per campaign, so this is not guarded further.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from operators.tracking.runs import KIND_TAG, _quoted, child_run, finish_run
 
@@ -54,6 +62,26 @@ class Lineage:
         if self.config_hash:
             tags["config_hash"] = self.config_hash
         return tags
+
+
+class ExportSource(Protocol):
+    location: str  # where the export lives, as the version's ``export_dir`` tag says
+
+    def local_copy(self) -> contextlib.AbstractContextManager[Path]:
+        """A local directory holding the export, for the length of the ``with`` block."""
+
+
+@dataclass(frozen=True)
+class LocalExport:
+    path: Path
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
+
+    @contextlib.contextmanager
+    def local_copy(self) -> Iterator[Path]:
+        yield self.path
 
 
 @dataclass(frozen=True)
@@ -116,17 +144,27 @@ def _ensure_registered_model(client, name: str, campaign: str) -> None:
             raise
 
 
-def register_model(client, name: str, campaign_run_id: str, export_dir: str | Path,
-                   lineage: Lineage, evaluation: dict[str, Any] | None = None,
+def _upload(client, run_id: str, export: ExportSource) -> None:
+    with export.local_copy() as local:
+        if not (Path(local) / "config.json").is_file():
+            raise FileNotFoundError(f"{export.location}: no config.json (not an exported HF "
+                                    "directory)")
+        client.log_artifacts(run_id, str(local), ARTIFACT_PATH)
+    client.set_tag(run_id, UPLOADED_TAG, "true")
+
+
+def register_model(client, name: str, campaign_run_id: str,
+                   export: ExportSource | str | Path, lineage: Lineage,
+                   evaluation: dict[str, Any] | None = None,
                    alias: str = CANDIDATE_ALIAS) -> Registration:
-    """Register ``export_dir`` (a verified HF directory) as a version of ``name``.
+    """Register ``export`` (a verified HF directory, or a local path to one) as a version of
+    ``name``.
 
     ``client`` is an ``mlflow.MlflowClient``; ``campaign_run_id`` the campaign's parent run;
     ``evaluation`` the evaluate step's result JSON (jobscripts/evaluate.py), if any.
     """
-    export_dir = Path(export_dir)
-    if not (export_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{export_dir}: no config.json (not an exported HF directory)")
+    if isinstance(export, str | Path):
+        export = LocalExport(Path(export))
     existing = find_version(client, name, lineage)
     if existing is not None:
         client.set_registered_model_alias(name, alias, existing.version)
@@ -134,8 +172,7 @@ def register_model(client, name: str, campaign_run_id: str, export_dir: str | Pa
 
     run_id = export_run(client, campaign_run_id, lineage)
     if client.get_run(run_id).data.tags.get(UPLOADED_TAG) != "true":
-        client.log_artifacts(run_id, str(export_dir), ARTIFACT_PATH)
-        client.set_tag(run_id, UPLOADED_TAG, "true")
+        _upload(client, run_id, export)
     metrics = eval_metrics(evaluation)
     _log_metrics(client, campaign_run_id, metrics, lineage.iteration)
     _log_metrics(client, run_id, metrics, lineage.iteration)
@@ -144,7 +181,10 @@ def register_model(client, name: str, campaign_run_id: str, export_dir: str | Pa
     _ensure_registered_model(client, name, lineage.campaign)
     source = f"runs:/{run_id}/{ARTIFACT_PATH}"
     tags = {**lineage.tags(), **{f"eval.{k}": f"{v:.6g}" for k, v in metrics.items()},
-            "export_dir": str(export_dir)}
+            "export_dir": export.location}
+    heldout = (evaluation or {}).get("heldout") or {}
+    if heldout.get("split"):  # which documents the figures are about: test or validation
+        tags["eval.heldout_split"] = str(heldout["split"])
     version = client.create_model_version(name, source, run_id=run_id, tags=tags,
                                           description=f"{lineage.campaign} at iteration "
                                                       f"{lineage.iteration}")

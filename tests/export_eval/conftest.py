@@ -58,6 +58,9 @@ class Trained:
     heldout: Path  # JSONL with a "text" field
     seq_length: int
     untrained: Path  # HF directory of the same model before any step
+    dataset: Path  # the Megatron prefix it trained on
+    split: str  # ... split like this: the valid part was never trained on
+    config: dict  # the trainer's run config
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +89,8 @@ def trained(tmp_path_factory) -> Trained:
 
     heldout = base / "heldout.jsonl"
     heldout.write_text("".join(json.dumps({"text": t}) + "\n" for t in heldout_texts(12)))
-    return Trained(base / "ckpt", tokenizer, heldout, config["seq_length"], untrained)
+    return Trained(base / "ckpt", tokenizer, heldout, config["seq_length"], untrained, prefix,
+                   config["split"], config)
 
 
 def run_export(output: Path, *flags: str) -> tuple[int, dict]:

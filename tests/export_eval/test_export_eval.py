@@ -13,11 +13,13 @@ from jobscripts import checkpoints
 from tests.export_eval.conftest import TRAIN_ITERS, run_export
 
 
-def run_eval(model: Path, trained, out: Path, *flags: str) -> dict:
+def run_eval(model: Path, trained, out: Path, *flags: str, data: list[str] | None = None
+             ) -> dict:
     from jobscripts.evaluate import main
 
-    rc = main(["--model", str(model), "--data", str(trained.heldout), "--max-model-len",
-               str(trained.seq_length), "--output-dir", str(out), *flags])
+    data = data or ["--data", str(trained.heldout)]
+    rc = main(["--model", str(model), *data, "--max-model-len", str(trained.seq_length),
+               "--output-dir", str(out), *flags])
     result = json.loads((out / "eval.json").read_text())
     assert rc == 0, result
     return result
@@ -38,7 +40,12 @@ def test_export_latest_is_complete_and_gives_the_checkpoints_logits(exported, tr
     assert verification["tensors_checked"] > 0 and verification["tokenizer_size"] == 256
     assert AutoTokenizer.from_pretrained(output).eos_token_id == 0
     # Built beside the output and renamed: nothing half-written is left next to it.
-    assert sorted(p.name for p in output.parent.iterdir()) == ["hf", "hf.result.json"]
+    assert sorted(p.name for p in output.parent.iterdir()) == [
+        "hf", "hf.export.json", "hf.result.json"]
+    # The listing registration fetches by: the published directory's files, as verified.
+    listing = json.loads((output.parent / "hf.export.json").read_text())
+    assert listing["ok"] and listing["files"] == result["files"]
+    assert listing["iteration"] == TRAIN_ITERS
 
 
 def test_export_a_chosen_iteration_over_an_earlier_export(trained, tmp_path):
@@ -50,7 +57,8 @@ def test_export_a_chosen_iteration_over_an_earlier_export(trained, tmp_path):
     assert rc == 0, again
     assert again["iteration"] == TRAIN_ITERS // 2
     assert again["verification"]["max_abs_logit_diff"] <= 1e-5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.result.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.export.json", "hf.result.json"]
+    assert json.loads((tmp_path / "hf.export.json").read_text())["iteration"] == TRAIN_ITERS // 2
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -201,3 +209,76 @@ def test_lm_eval_needs_a_vllm_backend(exported, trained, tmp_path):
                "--lm-eval-tasks", "mytask", "--output-dir", str(tmp_path)])
     result = json.loads((tmp_path / "eval.json").read_text())
     assert rc == 1 and "--lm-eval-tasks needs --backend vllm" in result["error"]
+
+
+def dataset_documents(prefix: Path, indices) -> list[list[int]]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(prefix))
+    return [dataset[i].tolist() for i in indices]
+
+
+@pytest.mark.parametrize("split, name, split_range", [
+    ("80,10,10", "test", [270, 300]),  # a test share: the test documents
+    ("90,10,0", "valid", [270, 300]),  # none: the validation documents (as trained)
+    ("80,15,5", "test", [285, 300]),
+])
+def test_evaluate_scores_the_heldout_split_of_the_dataset(exported, trained, tmp_path, split,
+                                                          name, split_range):
+    """Token ids come from the .bin/.idx (no text, no re-tokenization); bytes are those of
+    their decoded text; the first documents of the split are taken."""
+    from transformers import AutoTokenizer
+
+    output, _ = exported
+    result = run_eval(output, trained, tmp_path, "--max-documents", "4", "--split", split,
+                      data=["--dataset", str(trained.dataset)])
+    assert result["data"] is None
+    assert result["heldout"] == {"split_weights": split, "split": name, "datasets": [{
+        "prefix": str(trained.dataset), "split": name, "documents": 300,
+        "split_range": split_range, "split_documents": split_range[1] - split_range[0],
+        "evaluated_documents": 4, "evaluated_range": [split_range[0], split_range[0] + 4]}]}
+    documents = dataset_documents(trained.dataset, range(split_range[0], split_range[0] + 4))
+    assert all(d[-1] == 0 for d in documents)  # each ends in its EOD, which is not scored
+    decode = AutoTokenizer.from_pretrained(output).decode
+    assert result["documents_evaluated"] == 4
+    assert result["tokens_evaluated"] == sum(len(d) - 1 for d in documents)
+    assert result["bytes_evaluated"] == sum(len(decode(d[:-1]).encode()) for d in documents)
+    assert math.isfinite(result["perplexity"])
+
+
+def test_evaluate_takes_prefixes_from_the_manifest_and_checks_its_eod(exported, trained,
+                                                                       tmp_path):
+    from jobscripts import manifest as manifests
+
+    output, _ = exported
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(f"{trained.dataset}{suffix}", data / f"corpus_text_document{suffix}")
+    record = {"prefix": "corpus_text_document", "documents": 300, "tokens": 1, "text_bytes": 1,
+              "bin_bytes": 1, "idx_sha256": "x"}
+    settings = {"tokenizer_sha256": "x", "vocab_size": 256, "eod_id": 0, "dtype": "uint16",
+                "legacy_tokenizer": False, "append_eod": True, "json_key": "text"}
+    manifests.write(data / "manifest.json", manifests.build([record], settings))
+    result = run_eval(output, trained, tmp_path / "ok", "--max-documents", "2",
+                      data=["--manifest", str(data / "manifest.json")])
+    assert result["heldout"]["datasets"][0]["prefix"] == str(data / "corpus_text_document")
+    assert result["heldout"]["split"] == "valid"  # the default split "969,30,1" at 300 documents
+
+    manifests.write(data / "manifest.json", manifests.build([record], {**settings, "eod_id": 3}))
+    from jobscripts.evaluate import main
+
+    rc = main(["--model", str(output), "--manifest", str(data / "manifest.json"),
+               "--max-model-len", "32", "--output-dir", str(tmp_path)])
+    failed = json.loads((tmp_path / "eval.json").read_text())
+    assert rc == 1 and "tokenized with EOD 3, the model's tokenizer has EOD 0" in failed["error"]
+
+
+def test_evaluate_refuses_a_split_that_holds_nothing_out(exported, trained, tmp_path):
+    from jobscripts.evaluate import main
+
+    output, _ = exported
+    rc = main(["--model", str(output), "--dataset", str(trained.dataset), "--split", "100,0,0",
+               "--max-model-len", "32", "--output-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert rc == 1 and "leaves no test or valid documents among 300" in result["error"]

@@ -18,7 +18,8 @@ Steps, each safe to repeat after a crash or an Airflow retry:
    an upload counts once the run is tagged complete, so a half-done upload is redone; the
    local copy is made only for the upload;
 3. the evaluation metrics go on the campaign's run (step = iteration, so several exports make
-   a curve) and on the export run;
+   a curve; a metric already there at that step, logged by the evaluate task, is not logged
+   again) and on the export run;
 4. the version is created from ``runs:/<export run>/model`` and the alias moved to it.
 Two registrations of the same iteration racing each other could both create a version: the
 DAG runs one registration task per campaign, so this is not guarded further.
@@ -132,6 +133,13 @@ def _log_metrics(client, run_id: str, values: dict[str, float], step: int) -> No
     client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
 
+def _not_logged(client, run_id: str, values: dict[str, float], step: int) -> dict[str, float]:
+    """Those of ``values`` the run has no value for at ``step``: the same figure twice at one
+    step would show as two points of the curve."""
+    return {name: value for name, value in values.items()
+            if not any(m.step == step for m in client.get_metric_history(run_id, name))}
+
+
 def _ensure_registered_model(client, name: str, campaign: str) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
@@ -174,7 +182,8 @@ def register_model(client, name: str, campaign_run_id: str,
     if client.get_run(run_id).data.tags.get(UPLOADED_TAG) != "true":
         _upload(client, run_id, export)
     metrics = eval_metrics(evaluation)
-    _log_metrics(client, campaign_run_id, metrics, lineage.iteration)
+    _log_metrics(client, campaign_run_id, _not_logged(client, campaign_run_id, metrics,
+                                                      lineage.iteration), lineage.iteration)
     _log_metrics(client, run_id, metrics, lineage.iteration)
     finish_run(client, run_id)
 

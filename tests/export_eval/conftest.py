@@ -109,25 +109,16 @@ def exported(trained, tmp_path_factory) -> tuple[Path, dict]:
     return output, result
 
 
-# --- a real MLflow server (SQLite, local artifact root), started without waiting so it boots
-# while the model trains -----------------------------------------------------------------------
-@pytest.fixture(scope="session", autouse=True)
-def _mlflow_server(tmp_path_factory):
-    from tests.support.mlflow_server import MlflowServer
-
-    root = tmp_path_factory.mktemp("mlflow")
-    server = MlflowServer(root / "mlflow.db", str(root / "artifacts")).start()
-    yield server
-    server.stop()
-
-
+# --- the session's MLflow server with its artifacts on moto S3 (tests/conftest.py), as in
+# production: clients write artifacts to S3 with the connection's keys -----------------------
 @pytest.fixture(scope="session")
-def mlflow_uri(_mlflow_server) -> str:
-    return _mlflow_server.wait_ready(timeout=300).url
+def mlflow_uri(mlflow_server) -> str:
+    return mlflow_server.url
 
 
 @pytest.fixture
-def mlflow_client(mlflow_uri):
-    from mlflow import MlflowClient
+def mlflow_client(mlflow_server):
+    from operators.tracking.client import make_client
+    from operators.tracking.settings import tracking_settings
 
-    return MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
+    return make_client(tracking_settings(mlflow_server.connection()))

@@ -35,8 +35,8 @@ def test_register_tags_alias_metrics_and_artifacts(mlflow_client, campaign_run, 
     # The files are the export's, under the campaign's child run.
     export_run = mlflow_client.get_run(first.run_id)
     assert export_run.data.tags["mlflow.parentRunId"] == campaign_run
-    listed = {a.path for a in mlflow_client.list_artifacts(first.run_id, "model")}
-    assert {"model/config.json", "model/model.safetensors", "model/tokenizer.json"} <= listed
+    listed = dict(mlflow_client.artifact_files(first.run_id))
+    assert {f"model/{name}": size for name, size in export_result["files"].items()} == listed
 
     # Evaluation metrics on the campaign's run, at the checkpoint's iteration.
     history = mlflow_client.get_metric_history(campaign_run, "eval_bits_per_byte")
@@ -77,4 +77,19 @@ def test_a_half_done_upload_is_redone(mlflow_client, campaign_run, exported):
     done = register_model(mlflow_client, "camp-c-model", campaign_run, export_dir, lineage)
     assert done.run_id == crashed  # found again, not a second child run
     assert mlflow_client.get_run(done.run_id).data.tags[UPLOADED_TAG] == "true"
-    assert mlflow_client.list_artifacts(done.run_id, "model")
+    assert mlflow_client.artifact_files(done.run_id)
+
+
+def test_figures_the_evaluate_task_logged_are_not_logged_again(mlflow_client, campaign_run,
+                                                               exported):
+    """The evaluate task already put its figures on the campaign's run at this iteration:
+    registration adds no second point there, but the export run gets all of them."""
+    export_dir, _ = exported
+    mlflow_client.log_metric(campaign_run, "eval_bits_per_byte", 0.91, step=30)
+    done = register_model(mlflow_client, "camp-d-model", campaign_run, export_dir,
+                          Lineage("camp-d", 30), EVALUATION)
+    history = mlflow_client.get_metric_history(campaign_run, "eval_bits_per_byte")
+    assert [(m.step, m.value) for m in history] == [(30, 0.91)]
+    assert [m.step for m in mlflow_client.get_metric_history(campaign_run, "eval_perplexity")
+            ] == [30]
+    assert mlflow_client.get_run(done.run_id).data.metrics["eval_bits_per_byte"] == 0.91

@@ -152,10 +152,11 @@ class SlurmJobOperator(BaseOperator):
                                             "outcome": outcome.value,
                                             "record": record_payload(record)})
         if self.deferrable:
+            result_path = posixpath.join(run_dir, self.result_file) if self.result_file else None
             self.defer(trigger=SlurmJobTrigger(
                 ssh_conn_id=self.ssh_conn_id, job_id=record.job_id, log_path=log_path,
-                poll_interval=self.poll_interval, unknown_budget_s=self.unknown_budget_s),
-                method_name="execute_complete")
+                poll_interval=self.poll_interval, unknown_budget_s=self.unknown_budget_s,
+                result_path=result_path), method_name="execute_complete")
         return self._complete(context, self._wait_in_worker(record.job_id, log_path))
 
     def _attach_or_submit(self, spec: JobSpec, run_dir: str, key: str) -> JobRecord:
@@ -187,9 +188,12 @@ class SlurmJobOperator(BaseOperator):
         """After NODE_FAIL/PREEMPTED/BOOT_FAIL, keep the retry off the nodes that failed."""
         from operators.slurm.nodes import retry_exclusions
 
-        exclude = retry_exclusions(failed.nodelist, self.hook.node_count(spec.partition),
-                                   spec.nodes or 1)
+        available = self.hook.node_count(spec.partition)
+        exclude = retry_exclusions(failed.nodelist, available, spec.nodes or 1)
         if exclude is None:
+            self.log.info("retry after %s on %s: not excluding them (%s node(s) in the "
+                          "partition, the job needs %s)", failed.state, failed.nodelist,
+                          available, spec.nodes or 1)
             return spec
         self.log.info("retry after %s on %s: excluding those nodes", failed.state, exclude)
         return replace(spec, exclude=exclude).validate()
@@ -248,13 +252,17 @@ class SlurmJobOperator(BaseOperator):
             raise ClusterUnreachable(event.get("message", "polling failed"))
         record = event["record"]
         if event["outcome"] not in self.success_outcomes:
-            tail = self.hook.log_tail(info["log_path"]) if info.get("log_path") else ""
+            tail = event.get("log_tail")
+            if tail is None:
+                tail = self.hook.log_tail(info["log_path"]) if info.get("log_path") else ""
             raise SlurmJobFailed(
                 f"Slurm job {job_id} ended {record['state']} {record['state_detail']}".rstrip()
                 + f" (exit code {record['exit_code']}, signal {record['signal']}, "
                 f"classified {event['outcome']}); last lines of {info.get('log_path')}:\n{tail}")
         result = None
-        if self.result_file and info.get("run_dir"):
+        if "result" in event:  # read by the trigger: no SSH connection from this worker
+            result = event["result"]
+        elif self.result_file and info.get("run_dir"):
             result = self.hook.read_json(posixpath.join(info["run_dir"], self.result_file))
         self.log.info("Slurm job %s ended %s after %ss; result: %s", job_id, record["state"],
                       record["elapsed_s"], json.dumps(result, sort_keys=True))

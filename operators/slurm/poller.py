@@ -134,6 +134,17 @@ class ClusterPoller:
         except asyncssh.SFTPNoSuchFile:
             return b""
 
+    async def tail(self, path: str, max_bytes: int) -> bytes:
+        """The last ``max_bytes`` of ``path`` (b"" when it does not exist)."""
+        import asyncssh
+
+        sftp = await self.sftp()
+        try:
+            size = (await sftp.stat(path)).size or 0
+        except asyncssh.SFTPNoSuchFile:
+            return b""
+        return await self.read_log(path, max(0, size - max_bytes), max_bytes)
+
     async def cancel(self, job_id: str) -> None:
         rc, _, err = await self.run(commands.scancel(job_id))
         if rc != 0 and not any(s in err for s in commands.CANCEL_ALREADY_DONE):

@@ -9,6 +9,7 @@ installed package: the triggerer cannot load trigger classes from DAG files.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,10 @@ from operators.slurm.states import SettleGate, UnknownSlurmState, classify
 
 # Job-log bytes forwarded per round: enough for chatty jobs, bounded for the triggerer.
 LOG_CHUNK = 256 * 1024
+# A result JSON up to this size travels in the event, so that the resumed task needs no
+# SSH connection of its own; a bigger one is read by the task.
+RESULT_IN_EVENT_MAX = 64 * 1024
+LOG_TAIL_BYTES = 4000  # of a failed job's log, for the task's error
 
 
 def record_payload(record) -> dict[str, Any]:
@@ -66,7 +71,7 @@ class SlurmJobTrigger(BaseTrigger):
 
     def __init__(self, ssh_conn_id: str, job_id: str, log_path: str | None = None,
                  log_offset: int = 0, poll_interval: float = 5.0,
-                 unknown_budget_s: float = 600.0) -> None:
+                 unknown_budget_s: float = 600.0, result_path: str | None = None) -> None:
         super().__init__()
         self.ssh_conn_id = ssh_conn_id
         self.job_id = job_id
@@ -74,13 +79,33 @@ class SlurmJobTrigger(BaseTrigger):
         self.log_offset = log_offset
         self.poll_interval = poll_interval
         self.unknown_budget_s = unknown_budget_s
+        self.result_path = result_path
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "ssh_conn_id": self.ssh_conn_id, "job_id": self.job_id,
             "log_path": self.log_path, "log_offset": self.log_offset,
             "poll_interval": self.poll_interval, "unknown_budget_s": self.unknown_budget_s,
+            "result_path": self.result_path,
         })
+
+    async def _outputs(self, poller: ClusterPoller) -> dict[str, Any]:
+        """The result JSON and the log's tail, read on the poller's connection.
+
+        Best effort: what cannot be read here is left out, and the task reads it itself.
+        """
+        found: dict[str, Any] = {}
+        try:
+            if self.result_path:
+                data = await poller.read_log(self.result_path, 0, RESULT_IN_EVENT_MAX + 1)
+                if len(data) <= RESULT_IN_EVENT_MAX:
+                    found["result"] = json.loads(data) if data.strip() else None
+            if self.log_path:
+                tail = await poller.tail(self.log_path, LOG_TAIL_BYTES)
+                found["log_tail"] = tail.decode("utf-8", "replace")
+        except Exception as exc:  # noqa: BLE001 - the task falls back to reading them
+            self.log.info("job %s outputs left to the task: %s", self.job_id, exc)
+        return found
 
     async def _stream_log(self, poller: ClusterPoller) -> None:
         if not self.log_path:
@@ -130,14 +155,16 @@ class SlurmJobTrigger(BaseTrigger):
                 except UnknownSlurmState as exc:
                     yield self._event("error", message=str(exc))
                     return
-                if record.state != last_state:
-                    self.log.info("Slurm job %s is %s", self.job_id, record.state)
-                    last_state = record.state
+                seen = f"{record.state} {record.state_detail}".rstrip()
+                if seen != last_state:  # e.g. "PENDING requeued after NODE_FAIL"
+                    self.log.info("Slurm job %s is %s", self.job_id, seen)
+                    last_state = seen
                 if gate.final(outcome, record.source, time.monotonic()):
                     await asyncio.sleep(0)  # let the log's last write land before the drain
                     await self._stream_log(poller)
                     yield self._event("terminal", outcome=outcome.value,
-                                      record=record_payload(record))
+                                      record=record_payload(record),
+                                      **await self._outputs(poller))
                     return
         finally:
             poller.unwatch(self.job_id)

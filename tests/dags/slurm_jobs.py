@@ -79,3 +79,12 @@ with DAG("slurm_hostile", params={"msg": "$(touch /tmp/pp-pwned-param)"}, **COMM
         files={"input.txt": "$(touch /tmp/pp-pwned-file)\n"},
         command='printf "%s|%s|%s" "$EVIL" "$FROM_PARAM" "$(cat input.txt)" > out.txt; '
                 + RESULT)
+
+with DAG("slurm_node_down", **COMMON):
+    # The test sets the node DOWN while both run. Slurm requeues the first under the same job
+    # id; the second (--no-requeue) ends NODE_FAIL, and its task's retry submits again.
+    SlurmJobOperator(task_id="requeueable", ssh_conn_id=CONN, result_file="result.json",
+                     job={"requeue": True}, command=f"sleep 40; {RESULT}")
+    SlurmJobOperator(task_id="not_requeueable", ssh_conn_id=CONN, result_file="result.json",
+                     retries=1, retry_delay=timedelta(seconds=2),
+                     command=f"sleep 40; {RESULT}")

@@ -6,6 +6,7 @@ together up front so that their waits overlap.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from datetime import datetime
 
@@ -113,3 +114,77 @@ def test_retry_of_a_task_whose_job_still_runs_reattaches(standalone) -> None:
     assert [r["id"] for r in rows] == [out["job_id"]]  # one job for the key, not two
     log = af.task_log("slurm_retry_reattach", run_id, "crashy", try_number=2)
     assert f"re-attaching to Slurm job {out['job_id']}" in log
+
+
+def _node_of(job_id: str) -> str:
+    return cluster.sacct_field(job_id, "NodeList")
+
+
+def test_node_down_requeues_or_retries_and_loses_nothing(standalone) -> None:
+    af = standalone
+    run_id = af.trigger("slurm_node_down")
+    tasks = ("requeueable", "not_requeueable")
+
+    def running():
+        try:
+            jobs = {t: job_of(af, "slurm_node_down", run_id, t)["job_id"] for t in tasks}
+        except Exception:  # noqa: BLE001 - XCom not there yet
+            return None
+        states = {cluster.sacct_job(j)["state"] for j in jobs.values()}
+        return jobs if states == {"RUNNING"} else None
+    jobs = cluster.wait_for(running, 120, "both slurm_node_down jobs to run")
+    node = _node_of(jobs["requeueable"])
+    try:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down",
+                        "reason=pp-fault-test"], check=True)
+        assert af.wait_run("slurm_node_down", run_id, timeout=300) == "success"
+    finally:  # the single node must come back whatever happened
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
+                       capture_output=True)
+
+    # Requeued by Slurm: the same job ran again, the task never failed.
+    first = jobs["requeueable"]
+    rows = cluster.sacct_by_name(cluster.sacct_job(first)["name"])
+    assert [(r["id"], r["state"]) for r in rows] == [(first, "NODE_FAIL"), (first, "COMPLETED")]
+    assert af.task_instance("slurm_node_down", run_id, "requeueable")["try_number"] == 1
+    log = af.task_log("slurm_node_down", run_id, "requeueable")
+    assert "requeued after NODE_FAIL" in log
+
+    # Not requeueable: NODE_FAIL is retryable, and the task's retry submitted a new job.
+    second = jobs["not_requeueable"]
+    rows = cluster.sacct_by_name(cluster.sacct_job(second)["name"])
+    assert [r["state"] for r in rows] == ["NODE_FAIL", "COMPLETED"]
+    assert rows[0]["id"] == second and rows[1]["id"] != second
+    assert af.task_instance("slurm_node_down", run_id, "not_requeueable")["try_number"] == 2
+    failed = af.task_log("slurm_node_down", run_id, "not_requeueable", try_number=1)
+    assert "ended NODE_FAIL" in failed and "classified retryable" in failed
+    retry = af.task_log("slurm_node_down", run_id, "not_requeueable", try_number=2)
+    assert "not excluding them (1 node(s)" in retry  # a one-node cluster cannot spare it
+    assert af.xcom("slurm_node_down", run_id, "not_requeueable")["result"] == {"answer": 42}
+
+
+def test_clearing_running_tasks_cancels_their_jobs(standalone) -> None:
+    af = standalone
+    run_id = af.trigger("slurm_long", {"sleep": 600})
+    jobs = _running_jobs(af, run_id)
+    af.request("POST", "/api/v2/dags/slurm_long/clearTaskInstances",
+               {"dry_run": False, "dag_run_id": run_id, "task_ids": list(jobs),
+                "only_failed": False, "reset_dag_runs": True})
+    for task, job_id in jobs.items():
+        state = cluster.wait_for(
+            lambda j=job_id: (s := cluster.sacct_job(j)["state"]).startswith("CANCELLED") and s,
+            90, f"{task}'s job {job_id} to be cancelled")
+        assert state.startswith("CANCELLED"), task
+    # Cleared means run again: each task's next try submits a fresh job. Stop those too.
+    def new_jobs():
+        try:
+            now = {t: job_of(af, "slurm_long", run_id, t)["job_id"] for t in jobs}
+        except Exception:  # noqa: BLE001 - not submitted yet
+            return None
+        return now if all(now[t] != jobs[t] for t in jobs) else None
+    fresh = cluster.wait_for(new_jobs, 180, "the cleared tasks to submit again")
+    for task in jobs:
+        af.set_task_state("slurm_long", run_id, task, "failed")
+    for job_id in fresh.values():
+        cluster.wait_for(lambda j=job_id: cluster.sacct_job(j)["state"].startswith("CANCELLED"),
+                         90, f"job {job_id} to be cancelled")

@@ -22,6 +22,8 @@ PLOTS = "plots"
 
 CHECKPOINT_URI = "checkpoint_uri"  # tag: where the latest checkpoint of this run is
 CHECKPOINT_ITERATION = "checkpoint_iteration"
+# tag: why a resume did not load the checkpoint the tracker named (corrupt, missing)
+CHECKPOINT_FALLBACK = "checkpoint_fallback"
 _TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_\d{7}$")
 

@@ -155,6 +155,11 @@ def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, An
     for run_id in (child, parent):
         tracker.log_metrics(run_id, records, seq_length=t.seq_length,
                             global_batch_size=t.global_batch_size, timestamp_ms=stamp)
+    fallbacks = [r.detail["reason"] for r in records if r.kind == logparse.CHECKPOINT_FALLBACK]
+    if fallbacks:  # the trainer said so in the log; the run says so too
+        from operators.tracking.artifacts import CHECKPOINT_FALLBACK
+
+        tracker.set_tags(child, {CHECKPOINT_FALLBACK: "; ".join(fallbacks)})
     result = summary.get("result") or {}
     if result.get("checkpoint"):
         tracker.record_checkpoint(parent, result["checkpoint"]["path"],

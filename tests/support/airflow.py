@@ -98,6 +98,7 @@ class Standalone:
         self.base = env["AIRFLOW__API__BASE_URL"]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self._restarted: list[subprocess.Popen] = []
 
     def start(self, timeout: float = 180) -> Standalone:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -126,16 +127,17 @@ class Standalone:
         """
         if self.proc is None:
             return
-        group = self.proc.pid
-        for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(group, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _group_alive(group):
-                time.sleep(0.5)
-        self.proc.wait(5)
+        for proc in (self.proc, *self._restarted):
+            group = proc.pid
+            for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(group, sig)
+                except ProcessLookupError:
+                    break
+                deadline = time.monotonic() + wait
+                while time.monotonic() < deadline and _group_alive(group):
+                    time.sleep(0.5)
+            proc.wait(5)
         self._log.close()
 
     def kill_component(self, name: str, sig: int = signal.SIGKILL) -> list[int]:
@@ -150,16 +152,17 @@ class Standalone:
     def restart_components(self, *names: str, timeout: float = 180) -> None:
         """Kill ``names`` with SIGKILL (a crash: no clean shutdown) and start them again.
 
-        ``standalone`` does not restart a component that died, so the test does, in the
-        same process group: ``stop()`` still ends everything.
+        ``standalone`` does not restart a component that died, so the test does; ``stop()``
+        ends the restarted ones too.
         """
         killed_at = datetime.now(UTC)
         for name in names:
             if not self.kill_component(name):
                 raise RuntimeError(f"no '{name}' process in standalone's group")
-        for name in names:
-            subprocess.Popen([AIRFLOW, name], env=self.env, cwd=REPO, stdout=self._log,
-                             stderr=subprocess.STDOUT, process_group=self.proc.pid)
+        for name in names:  # a group of their own: a process cannot join another session's
+            self._restarted.append(subprocess.Popen(
+                [AIRFLOW, name], env=self.env, cwd=REPO, stdout=self._log,
+                stderr=subprocess.STDOUT, start_new_session=True))
 
         def beating() -> bool:
             health = self.request("GET", "/api/v2/monitor/health")

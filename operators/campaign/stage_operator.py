@@ -28,6 +28,7 @@ from operators.campaign.paths import RunPaths
 from operators.slurm.errors import SlurmJobFailed
 from operators.slurm.links import MlflowRunLink
 from operators.slurm.operator import XCOM_JOB, SlurmJobOperator
+from operators.slurm.trigger import success_summary
 from operators.tracking.artifacts import CONFIGS, DATA, EVAL, REPORTS
 
 RESULTS = "results"  # the result JSON of a stage that is neither a gate nor an evaluation
@@ -112,12 +113,10 @@ class CampaignStageOperator(SlurmJobOperator):
         writes its result JSON (jobscripts/common.py), e.g. every check of a failed gate."""
         ti = context["ti"]
         info = ti.xcom_pull(task_ids=self.task_id, key=XCOM_JOB, map_indexes=ti.map_index) or {}
-        result = None
-        if self.result_file and info.get("run_dir"):
+        result = event.get("result")  # the trigger hands over a small one
+        if "result" not in event and self.result_file and info.get("run_dir"):
             result = self.hook.read_json(posixpath.join(info["run_dir"], self.result_file))
-        return {"job_id": event["job_id"], "outcome": event["outcome"],
-                "record": event["record"], "run_dir": info.get("run_dir"),
-                "log_path": info.get("log_path"), "result": result}
+        return success_summary(event, info.get("run_dir"), info.get("log_path"), result)
 
     def _track(self, context, event: dict[str, Any], summary: dict[str, Any] | None) -> None:
         """MLflow gets the stage (``summary`` None: its job failed); a tracking failure must

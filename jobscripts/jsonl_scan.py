@@ -34,6 +34,11 @@ NONPRINTABLE = re.compile(
     "\U000f0000-\U0010ffff]"
 )
 REPLACEMENT = "\ufffd"
+# What a file that is not UTF-8 text usually is, by its first bytes.
+MAGIC = ((b"\xff\xfe", "UTF-16 text (little-endian byte order mark)"),
+         (b"\xfe\xff", "UTF-16 text (big-endian byte order mark)"),
+         (b"\x1f\x8b", "gzip-compressed"), (b"\x28\xb5\x2f\xfd", "zstd-compressed"),
+         (b"BZh", "bzip2-compressed"), (b"PAR1", "a Parquet file"))
 
 
 @dataclass
@@ -42,8 +47,9 @@ class Issue:
     line: int
     reason: str
 
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.reason}"
+    def __str__(self) -> str:  # line 0: the whole file
+        return f"{self.file}:{self.line}: {self.reason}" if self.line else \
+            f"{self.file}: {self.reason}"
 
 
 @dataclass
@@ -52,6 +58,9 @@ class ScanResult:
     lines: int = 0
     issue_count: int = 0
     issues: list[Issue] = field(default_factory=list)  # the first max_issues of them
+    # One per file none of whose lines is good (not UTF-8 at all, compressed, binary): said
+    # once, first, instead of being buried among thousands of line issues.
+    file_issues: list[Issue] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)  # feature rows of the sampled documents
 
 
@@ -78,6 +87,18 @@ def features(file: str, line: int, record: dict, text_key: str, id_key: str) -> 
         "replacement_share": text.count(REPLACEMENT) / chars if chars else 0.0,
         "nonprintable_share": len(NONPRINTABLE.findall(text)) / chars if chars else 0.0,
     }
+
+
+def sniff(path: Path) -> str:
+    """A guess at what a file is, from its first bytes, for an error message."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    for magic, what in MAGIC:
+        if head.startswith(magic):
+            return what
+    if b"\x00" in head:
+        return "binary, or UTF-16/32 without a byte order mark (NUL bytes)"
+    return f"text starting {head!r}"
 
 
 def check_line(raw: bytes, text_key: str) -> tuple[dict | None, str | None]:
@@ -121,19 +142,26 @@ def scan(
     result = ScanResult(files=[str(p) for p in paths])
     seen = 0  # good lines so far: the reservoir's population
     for path in paths:
+        good = bad = 0
         for number, (raw, _offset) in enumerate(iter_raw_lines(path), start=1):
             result.lines += 1
             record, reason = check_line(raw, text_key)
             if reason is not None:
+                bad += 1
                 result.issue_count += 1
                 if len(result.issues) < max_issues:
                     result.issues.append(Issue(path.name, number, reason))
                 continue
+            good += 1
             seen += 1
             if full or len(result.rows) < sample_size:
                 result.rows.append(features(path.name, number, record, text_key, id_key))
             elif (slot := rng.randrange(seen)) < sample_size:
                 result.rows[slot] = features(path.name, number, record, text_key, id_key)
+        if bad and not good:
+            result.file_issues.append(Issue(path.name, 0, (
+                f"not UTF-8 JSONL at all: none of its {bad} lines is a JSON object in UTF-8; "
+                f"it looks like {sniff(path)}")))
     if not full:
         result.rows.sort(key=lambda row: (row["file"], row["line"]))
     return result

@@ -173,7 +173,9 @@ def describe(check: dict) -> str:
     observed = check["observed_value"]
     if isinstance(observed, dict):
         observed = f"{observed['unexpected_count']} of {observed['element_count']} rows fail"
-    where = f" (e.g. {', '.join(check['examples'])})" if check["examples"] else ""
+    examples = check["examples"]
+    more = f" and {len(examples) - EXAMPLES} more" if len(examples) > EXAMPLES else ""
+    where = f" (e.g. {', '.join(examples[:EXAMPLES])}{more})" if examples else ""
     return f"{check['name']}: observed {observed}, expected {check['threshold']}{where}"
 
 
@@ -191,7 +193,8 @@ def gate(args: argparse.Namespace) -> dict:
         f"{scanned.issue_count} bad lines, {len(scanned.rows)} documents sampled"
     )
     if not scanned.rows:
-        raise StepError(f"no valid document in {source}: {[str(i) for i in scanned.issues[:10]]}")
+        issues = [str(i) for i in [*scanned.file_issues, *scanned.issues][:EXAMPLES]]
+        raise StepError(f"no valid document in {source}: {'; '.join(issues)}")
     checks, gx_seconds = run_gx(scanned.rows, expectation_specs(args), out / "data_docs")
     log(f"GX: {gx_seconds}")
     line_check = {
@@ -201,7 +204,7 @@ def gate(args: argparse.Namespace) -> dict:
         "observed_value": {"unexpected_count": scanned.issue_count, "element_count": scanned.lines},
         "threshold": f"at most {args.max_line_errors} bad lines",
         "kwargs": {},
-        "examples": [str(issue) for issue in scanned.issues],
+        "examples": [str(issue) for issue in [*scanned.file_issues, *scanned.issues]],
     }
     checks.insert(0, line_check)
     payload = {
@@ -209,7 +212,7 @@ def gate(args: argparse.Namespace) -> dict:
         "lines": scanned.lines,
         "sampled": len(scanned.rows),
         "full_scan": args.full,
-        "line_errors": [str(issue) for issue in scanned.issues],
+        "line_errors": [str(issue) for issue in [*scanned.file_issues, *scanned.issues]],
         "expectations": checks,
         "data_docs": str(out / "data_docs" / "index.html"),
         "timings": {"scan": scan_seconds, **gx_seconds},

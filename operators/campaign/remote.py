@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import shlex
 from typing import Any
 
 from operators.campaign.layout import Layout
@@ -35,3 +36,20 @@ def append_history(hook, layout: Layout, entry: dict[str, Any]) -> None:
     lines = (read_text(hook, layout.segments_log) or "").splitlines()
     lines.append(json.dumps(entry, sort_keys=True))
     write_file(hook, layout.segments_log, "\n".join(lines) + "\n")
+
+
+def missing_files(hook, paths: list[str]) -> list[str]:
+    """Those of ``paths`` that are not a readable, non-empty file for the cluster user.
+
+    One shell loop over SSH for all of them, rather than an SFTP session per file; an
+    unreadable file counts as missing, since the job could not read it either.
+    """
+    if not paths:
+        return []
+    quoted = " ".join(shlex.quote(p) for p in paths)
+    rc, out, err = hook.run(f'for f in {quoted}; do [ -r "$f" ] && [ -s "$f" ] '
+                            f'|| printf "%s\\n" "$f"; done')
+    if rc != 0:
+        raise RuntimeError(f"checking {len(paths)} data files on the cluster failed "
+                           f"(exit {rc}): {err.strip()}")
+    return [line for line in out.splitlines() if line]

@@ -29,8 +29,11 @@ def stage_job(campaign, cpus: int | None = None) -> dict:
 
 
 def _stage(campaign, module: str, *args: object, cpus: int | None = None) -> dict:
+    # The campaign's environment is the cluster's for every job of it, not only training:
+    # ingest needs AWS_ENDPOINT_URL / AWS_CONFIG_FILE, HF_HUB_OFFLINE and the like too.
     return {"command": python_module_command(module, *args, "--result", RESULT_FILE),
-            "job": stage_job(campaign, cpus), "result_file": RESULT_FILE}
+            "job": stage_job(campaign, cpus), "result_file": RESULT_FILE,
+            "environment": dict(campaign.cluster.environment)}
 
 
 def demo_corpus(campaign, layout: Layout) -> dict:

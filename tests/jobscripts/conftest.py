@@ -1,7 +1,8 @@
 """Session fixtures for the data-stage jobscripts: one small demo corpus run through each step.
 
 Everything runs in this process (``main(argv)``), so megatron-core, transformers and
-great-expectations are imported once per session. No network, no /work/shared.
+great-expectations are imported once per session. No network, no /work/shared. S3 is a real
+S3 API: moto's server, one per session, started only by tests that ask for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,24 @@ import pytest
 
 DEMO_BYTES = 250_000
 VOCAB = 1200
+
+
+def parquet_bytes(rows: list[tuple[str | None, str]]) -> bytes:
+    """A FineWeb-layout Parquet file (``text``, ``id``) holding ``rows``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": [r[0] for r in rows], "id": [r[1] for r in rows]}), sink)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory):
+    from tests.support.mlflow_server import MotoS3
+
+    with MotoS3(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        yield server
 
 
 def run_main(main, argv: list[str], result: Path) -> tuple[int, dict, str]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 import time
 from pathlib import Path
 
@@ -199,3 +201,35 @@ def test_raw_gate_stops_a_bad_corpus_with_reasons_and_lines(tmp_path):
     for name in failed:
         assert f"{name}: observed" in error
     assert Path(tmp_path / "gate/data_docs/index.html").is_file()
+
+
+def test_raw_gate_names_a_file_that_is_not_utf8_at_all(tmp_path):
+    """One verdict per such file, first, rather than one per line buried among thousands."""
+    from jobscripts.raw_gate import main
+
+    docs = [json.dumps({"id": f"d{i}", "text": f"Document number {i} is fine."})
+            for i in range(20)]
+    (tmp_path / "00000.jsonl").write_text("\n".join(docs) + "\n")
+    (tmp_path / "00001.jsonl").write_bytes("\n".join(docs).encode("utf-16"))
+    (tmp_path / "00002.jsonl").write_bytes(gzip.compress("\n".join(docs).encode()))
+    code, result, _ = run_main(main, ["--input", str(tmp_path), "--output-dir",
+                                      str(tmp_path / "gate")], tmp_path / "r.json")
+    assert code == 1
+    (lines,) = [e for e in result["expectations"] if not e["success"]]
+    assert lines["name"] == "lines_valid"
+    assert lines["examples"][0] == (
+        "00001.jsonl: not UTF-8 JSONL at all: none of its 20 lines is a JSON object in UTF-8; "
+        "it looks like UTF-16 text (little-endian byte order mark)")
+    assert re.fullmatch(r"00002\.jsonl: not UTF-8 JSONL at all: none of its \d+ lines is a "
+                        r"JSON object in UTF-8; it looks like gzip-compressed",
+                        lines["examples"][1])
+    assert result["error"].startswith("raw gate failed 1 of 8 checks: lines_valid: observed ")
+    assert "(e.g. 00001.jsonl: not UTF-8 JSONL at all" in result["error"]
+    assert " more)" in result["error"]  # five examples quoted, the rest counted
+    # a shard set with nothing readable at all stops before GX, naming the file
+    (tmp_path / "00000.jsonl").unlink()
+    (tmp_path / "00002.jsonl").unlink()
+    code, result, _ = run_main(main, ["--input", str(tmp_path), "--output-dir",
+                                      str(tmp_path / "gate")], tmp_path / "r.json")
+    assert code == 1 and result["error"].startswith(
+        f"no valid document in {tmp_path}: 00001.jsonl: not UTF-8 JSONL at all")

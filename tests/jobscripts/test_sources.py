@@ -23,8 +23,8 @@ from operators.campaign.layout import Layout
 from operators.campaign.load import CampaignConfigError, campaign_from_dict, load_campaign
 from operators.campaign.paths import RunPaths
 from tests.campaign.util import DEMO, LLAMA_8B, edited, raw
-from tests.jobscripts.conftest import run_main
-from tests.support.mlflow_server import S3_KEY_ID, S3_SECRET, MotoS3
+from tests.jobscripts.conftest import parquet_bytes, run_main
+from tests.support.mlflow_server import S3_KEY_ID, S3_SECRET
 
 FINEWEB = "hf://datasets/HuggingFaceFW/fineweb"
 
@@ -198,12 +198,6 @@ def test_ingest_reads_a_single_local_parquet_file(tmp_path):
 BUCKET = "pp-corpus"
 
 
-def _parquet_bytes(rows: list[tuple[str, str]]) -> bytes:
-    sink = pa.BufferOutputStream()
-    pq.write_table(pa.table({"text": [r[0] for r in rows], "id": [r[1] for r in rows]}), sink)
-    return sink.getvalue().to_pybytes()
-
-
 SHARDS = {
     "fineweb/sample/000_00000.parquet": [(f"first shard document {i}", f"a{i}") for i in range(5)],
     "fineweb/sample/001_00000.parquet": [(f"second shard document {i}", f"b{i}") for i in range(3)],
@@ -212,17 +206,15 @@ SHARDS = {
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    home = tmp_path_factory.mktemp("moto")
-    with MotoS3(home / "moto.log") as server:
-        server.create_bucket(BUCKET)
-        client = server.client()
-        for key, rows in SHARDS.items():
-            client.put_object(Bucket=BUCKET, Key=key, Body=_parquet_bytes(rows))
-        client.put_object(Bucket=BUCKET, Key="fineweb/sample/README.md", Body=b"# not data")
-        client.put_object(Bucket=BUCKET, Key="other/000_00000.parquet",
-                          Body=_parquet_bytes([("elsewhere", "z")]))
-        yield server
+def s3(moto_s3):
+    client = moto_s3.client()
+    client.create_bucket(Bucket=BUCKET)
+    for key, rows in SHARDS.items():
+        client.put_object(Bucket=BUCKET, Key=key, Body=parquet_bytes(rows))
+    client.put_object(Bucket=BUCKET, Key="fineweb/sample/README.md", Body=b"# not data")
+    client.put_object(Bucket=BUCKET, Key="other/000_00000.parquet",
+                      Body=parquet_bytes([("elsewhere", "z")]))
+    return moto_s3
 
 
 @pytest.fixture
@@ -258,13 +250,13 @@ def test_s3_download_selects_and_resumes_by_etag(s3, cluster_env, tmp_path):
     assert (again["fetched"], again["kept"]) == (0, 3)
     # a changed object (new ETag) and a truncated local copy are fetched again
     s3.client().put_object(Bucket=BUCKET, Key="fineweb/sample/000_00000.parquet",
-                           Body=_parquet_bytes([("replaced", "r")]))
+                           Body=parquet_bytes([("replaced", "r")]))
     (target / "001_00000.parquet").write_bytes(b"trunc")
     third = s3_fetch.download("s3://pp-corpus/fineweb/sample/", target)
     assert (third["fetched"], third["kept"]) == (2, 1)
     assert pq.read_table(target / "000_00000.parquet").column("text").to_pylist() == ["replaced"]
     s3.client().put_object(Bucket=BUCKET, Key="fineweb/sample/000_00000.parquet",
-                           Body=_parquet_bytes(SHARDS["fineweb/sample/000_00000.parquet"]))
+                           Body=parquet_bytes(SHARDS["fineweb/sample/000_00000.parquet"]))
     # a glob stays in its directory; one object by its key
     assert s3_fetch.download("s3://pp-corpus/fineweb/sample/0*.parquet",
                              tmp_path / "g")["files"] == ["000_00000.parquet",

@@ -199,7 +199,9 @@ def ingest(args: argparse.Namespace) -> dict:
     from datatrove.io import get_datafolder
 
     out = Path(args.output_dir)
-    source = args.input or f"{args.hf_repo} {args.hf_allow_pattern}"
+    source = args.input or (f"hf://datasets/{args.hf_repo}"
+                            + (f"@{args.hf_revision}" if args.hf_revision else "")
+                            + f" {' '.join(args.hf_allow_pattern)}")
     folder, files, downloaded = resolve_input(args, out)
     data = get_datafolder(folder)
     tasks = args.tasks or min(len(files), 64)

@@ -16,13 +16,23 @@ MLFLOW_CONN_ID = "mlflow_default"
 
 
 def end_campaign_run(campaign: str, status: str, conn_id: str = MLFLOW_CONN_ID) -> int:
-    """Set every RUNNING run tagged with ``campaign`` to ``status``; returns how many."""
-    from airflow.sdk.bases.hook import BaseHook
+    """Set every RUNNING run tagged with ``campaign`` to ``status``; returns how many.
 
+    No MLflow connection means no tracking here: return before importing mlflow, which
+    takes seconds the scheduler should not spend on every campaign run.
+    """
+    from airflow.sdk.bases.hook import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except AirflowNotFoundException:
+        log.debug("no %s connection: campaign %s is not tracked", conn_id, campaign)
+        return 0
     from operators.tracking.client import make_client
     from operators.tracking.settings import tracking_settings
 
-    client = make_client(tracking_settings(BaseHook.get_connection(conn_id)))
+    client = make_client(tracking_settings(conn))
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments, filter_string=(
         f"tags.`pp.campaign` = '{campaign}' and attributes.status = 'RUNNING'"))

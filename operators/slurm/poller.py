@@ -145,8 +145,8 @@ class ClusterPoller:
             return b""
         return await self.read_log(path, max(0, size - max_bytes), max_bytes)
 
-    async def cancel(self, job_id: str) -> None:
-        rc, _, err = await self.run(commands.scancel(job_id))
+    async def cancel(self, job_id: str, killed_in: str | None = None) -> None:
+        rc, _, err = await self.run(commands.scancel(job_id, killed_in))
         if rc != 0 and not any(s in err for s in commands.CANCEL_ALREADY_DONE):
             raise RuntimeError(f"scancel {job_id} exited {rc}: {err.strip()}")
 
@@ -174,6 +174,8 @@ class ClusterPoller:
         delays = None
         idle_rounds = 0
         while True:
+            started = time.monotonic()
+            self._wake.clear()  # a job registered from now on gets the next round early
             job_ids = sorted(self._watch)
             if not job_ids:
                 idle_rounds += 1
@@ -193,9 +195,13 @@ class ClusterPoller:
                     delays = delays or backoff_delays(1000, base=self.interval, cap=60)
                     await asyncio.sleep(next(delays))
                     continue
-            self._wake.clear()
+            # Rounds start every interval, however long the query took: a job's end is
+            # seen at most one interval (plus the query) after it happens.
+            remaining = self.interval - (time.monotonic() - started)
+            if remaining <= 0:
+                continue
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
+                await asyncio.wait_for(self._wake.wait(), timeout=remaining)
                 # Woken by a new job: let the other triggers starting now join the round.
                 await asyncio.sleep(0.5)
             except TimeoutError:

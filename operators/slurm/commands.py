@@ -7,6 +7,7 @@ triggerer's async poller send the same commands.
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 from collections.abc import Iterable
 
@@ -16,6 +17,12 @@ _SACCT = ["sacct", "--parsable2", "--noheader", "--format=" + ",".join(SACCT_FIE
 # How far back a key lookup searches: sacct's default (midnight) would miss a
 # job submitted yesterday by the same DAG run.
 KEY_LOOKBACK = "now-30days"
+
+# Ids of jobs cancelled because their task was killed (marked failed, or cleared), one per
+# line, in the run dir. Clearing a deferred task starts its next try at once, and that try
+# may re-attach to the job before the old trigger's cancel lands: seeing the job here, it
+# submits its own job instead of failing with the cancelled one.
+KILLED_JOBS = ".killed-jobs"
 
 # scancel on a job that already ended is a success for us: cancel is idempotent.
 CANCEL_ALREADY_DONE = ("already completing or completed", "Invalid job id specified")
@@ -58,8 +65,14 @@ def sinfo_nodes(partition: str | None = None) -> str:
     return _join(argv)
 
 
-def scancel(job_id: str) -> str:
-    return _join(["scancel", job_id])
+def scancel(job_id: str, killed_in: str | None = None) -> str:
+    """``scancel``; with ``killed_in`` (the job's run dir), first note the job there as
+    cancelled because its task was killed (see :data:`KILLED_JOBS`)."""
+    cancel = _join(["scancel", job_id])
+    if killed_in is None:
+        return cancel
+    note = posixpath.join(killed_in, KILLED_JOBS)
+    return f"printf '%s\\n' {shlex.quote(job_id)} >> {shlex.quote(note)}; {cancel}"
 
 
 def mkdir_p(path: str) -> str:

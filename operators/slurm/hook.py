@@ -235,6 +235,11 @@ class SlurmHook:
             return sorted(found)
         return self._with_retries("list", walk)
 
+    def killed_jobs(self, run_dir: str) -> set[str]:
+        """Jobs of ``run_dir`` cancelled because their task was killed."""
+        data = self.read_bytes(posixpath.join(run_dir, commands.KILLED_JOBS))
+        return set(data.decode().split())
+
     # -- Slurm -----------------------------------------------------------------
     def submit(self, spec: JobSpec, run_dir: str,
                files: Mapping[str, str | bytes] | None = None) -> str:
@@ -270,9 +275,10 @@ class SlurmHook:
         out = self.check(commands.sinfo_nodes(partition))
         return sum(int(n) for n in out.split() if n.isdigit())
 
-    def cancel(self, job_id: str) -> None:
-        """Cancel ``job_id``; a job that already ended is not an error."""
-        rc, _, err = self.run(commands.scancel(job_id))
+    def cancel(self, job_id: str, killed_in: str | None = None) -> None:
+        """Cancel ``job_id``; a job that already ended is not an error. ``killed_in``: the
+        job's run dir, when its task was killed (see ``commands.KILLED_JOBS``)."""
+        rc, _, err = self.run(commands.scancel(job_id, killed_in))
         if rc != 0 and not any(s in err for s in commands.CANCEL_ALREADY_DONE):
             raise SlurmCommandError("scancel", rc, err)
 

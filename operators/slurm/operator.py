@@ -110,6 +110,8 @@ class SlurmJobOperator(BaseOperator):
         self.success_outcomes = frozenset(success_outcomes)
         self.wait_for_completion = wait_for_completion
         self._job_id: str | None = None
+        self._run_dir: str | None = None
+        self._killed = False  # this try's on_kill ran: a CANCELLED job is its own doing
         self._hook = None  # a SlurmHook, made on first use
         if not _templated(self.job, self.environment, self.command):
             # Fail at DAG parse, not on the cluster: validate with a stand-in key.
@@ -137,7 +139,7 @@ class SlurmJobOperator(BaseOperator):
         spec = replace(spec, workdir=run_dir, output=posixpath.join(
             run_dir, posixpath.basename(spec.output))).validate()
         record = self._attach_or_submit(spec, run_dir, key)
-        self._job_id = record.job_id
+        self._job_id, self._run_dir = record.job_id, run_dir
         log_path = log_path_for(spec, record.job_id)
         self._persist(context, record.job_id, log_path, run_dir)
         if not self.wait_for_completion:
@@ -248,10 +250,15 @@ class SlurmJobOperator(BaseOperator):
         self._job_id = job_id
         info = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_JOB,
                                        map_indexes=context["ti"].map_index) or {}
+        self._run_dir = info.get("run_dir")
         if event["status"] != "terminal":
             raise ClusterUnreachable(event.get("message", "polling failed"))
         record = event["record"]
         if event["outcome"] not in self.success_outcomes:
+            if self._cancelled_by_earlier_kill(record, info):
+                self.log.info("Slurm job %s was cancelled because an earlier try of this task "
+                              "was killed (cleared): this try submits its own job", job_id)
+                return self.execute(context)
             tail = event.get("log_tail")
             if tail is None:
                 tail = self.hook.log_tail(info["log_path"]) if info.get("log_path") else ""
@@ -268,11 +275,22 @@ class SlurmJobOperator(BaseOperator):
                       record["elapsed_s"], json.dumps(result, sort_keys=True))
         return success_summary(event, info.get("run_dir"), info.get("log_path"), result)
 
+    def _cancelled_by_earlier_kill(self, record: dict[str, Any], info: dict[str, Any]) -> bool:
+        """Whether the job was cancelled by the kill of an earlier try, not by this one.
+
+        Clearing a deferred task starts its next try at once; that try can re-attach to the
+        still-running job before the old trigger's cancel lands (commands.KILLED_JOBS).
+        """
+        if self._killed or record["state"] != "CANCELLED" or not info.get("run_dir"):
+            return False
+        return record["job_id"] in self.hook.killed_jobs(info["run_dir"])
+
     def on_kill(self) -> None:
         """The task was killed while waiting in a worker: cancel its job."""
+        self._killed = True
         if self._job_id:
             self.log.info("task killed: cancelling Slurm job %s", self._job_id)
-            self.hook.cancel(self._job_id)
+            self.hook.cancel(self._job_id, killed_in=self._run_dir)
 
 
 def _templated(*values: Any) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import posixpath
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -173,6 +174,7 @@ class SlurmJobTrigger(BaseTrigger):
         """The user cleared or failed the deferred task: cancel its job."""
         poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
         self.log.info("task killed while deferred: cancelling Slurm job %s", self.job_id)
-        await asyncio.wait_for(poller.cancel(self.job_id), timeout=30)
+        run_dir = posixpath.dirname(self.log_path) if self.log_path else None
+        await asyncio.wait_for(poller.cancel(self.job_id, killed_in=run_dir), timeout=30)
 
 

@@ -183,6 +183,11 @@ def test_clearing_running_tasks_cancels_their_jobs(standalone) -> None:
             return None
         return now if all(now[t] != jobs[t] for t in jobs) else None
     fresh = cluster.wait_for(new_jobs, 180, "the cleared tasks to submit again")
+
+    def watched():  # a task marked failed before its trigger starts is not a kill
+        log = af.task_log("slurm_long", run_id, "long_deferred", try_number=2)
+        return f"Slurm job {fresh['long_deferred']} is" in log
+    cluster.wait_for(watched, 120, "the new trigger to watch the fresh job")
     for task in jobs:
         af.set_task_state("slurm_long", run_id, task, "failed")
     for job_id in fresh.values():

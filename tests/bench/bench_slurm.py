@@ -107,6 +107,7 @@ def main() -> dict:
         "detect_p50_s": round(statistics.median(delays), 2),
         "detect_p95_s": round(delays[min(len(delays) - 1, int(0.95 * len(delays)))], 2),
         "poll_interval_s": poll,
+        "scheduler_idle_sleep_s": float(env["AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME"]),
     }
 
 

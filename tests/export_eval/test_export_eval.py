@@ -25,6 +25,16 @@ def run_eval(model: Path, trained, out: Path, *flags: str, data: list[str] | Non
     return result
 
 
+def eval_error(model: Path, out: Path, *args: str) -> str:
+    """The error of an evaluation that must fail (exit code 1), from its result JSON."""
+    from jobscripts.evaluate import main
+
+    rc = main(["--model", str(model), *args, "--max-model-len", "32", "--output-dir", str(out)])
+    result = json.loads((out / "eval.json").read_text())
+    assert rc == 1, result
+    return result["error"]
+
+
 def test_export_latest_is_complete_and_gives_the_checkpoints_logits(exported, trained):
     from transformers import AutoTokenizer
 
@@ -132,15 +142,11 @@ def test_windows_and_batches_do_not_change_what_is_counted(exported, trained, tm
 
 
 def test_evaluate_errors_name_file_and_line(exported, tmp_path):
-    from jobscripts.evaluate import main
-
     output, _ = exported
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"text": "t1 t2"}) + "\n" + json.dumps({"body": "x"}) + "\n")
-    rc = main(["--model", str(output), "--data", str(data), "--max-model-len", "32",
-               "--output-dir", str(tmp_path)])
-    result = json.loads((tmp_path / "eval.json").read_text())
-    assert rc == 1 and result["error"] == f"{data}:2: no string field 'text'"
+    error = eval_error(output, tmp_path, "--data", str(data))
+    assert error == f"{data}:2: no string field 'text'"
 
 
 def test_bridge_path_calls_autobridge_as_convert_checkpoints_does(trained, tmp_path, monkeypatch):
@@ -202,13 +208,10 @@ def test_tensor_check_reads_headers_and_names_what_is_wrong(tmp_path):
 
 
 def test_lm_eval_needs_a_vllm_backend(exported, trained, tmp_path):
-    from jobscripts.evaluate import main
-
     output, _ = exported
-    rc = main(["--model", str(output), "--data", str(trained.heldout), "--max-model-len", "32",
-               "--lm-eval-tasks", "mytask", "--output-dir", str(tmp_path)])
-    result = json.loads((tmp_path / "eval.json").read_text())
-    assert rc == 1 and "--lm-eval-tasks needs --backend vllm" in result["error"]
+    error = eval_error(output, tmp_path, "--data", str(trained.heldout),
+                       "--lm-eval-tasks", "mytask")
+    assert "--lm-eval-tasks needs --backend vllm" in error
 
 
 def dataset_documents(prefix: Path, indices) -> list[list[int]]:
@@ -266,19 +269,11 @@ def test_evaluate_takes_prefixes_from_the_manifest_and_checks_its_eod(exported, 
     assert result["heldout"]["split"] == "valid"  # the default split "969,30,1" at 300 documents
 
     manifests.write(data / "manifest.json", manifests.build([record], {**settings, "eod_id": 3}))
-    from jobscripts.evaluate import main
-
-    rc = main(["--model", str(output), "--manifest", str(data / "manifest.json"),
-               "--max-model-len", "32", "--output-dir", str(tmp_path)])
-    failed = json.loads((tmp_path / "eval.json").read_text())
-    assert rc == 1 and "tokenized with EOD 3, the model's tokenizer has EOD 0" in failed["error"]
+    error = eval_error(output, tmp_path, "--manifest", str(data / "manifest.json"))
+    assert "tokenized with EOD 3, the model's tokenizer has EOD 0" in error
 
 
 def test_evaluate_refuses_a_split_that_holds_nothing_out(exported, trained, tmp_path):
-    from jobscripts.evaluate import main
-
     output, _ = exported
-    rc = main(["--model", str(output), "--dataset", str(trained.dataset), "--split", "100,0,0",
-               "--max-model-len", "32", "--output-dir", str(tmp_path)])
-    result = json.loads((tmp_path / "eval.json").read_text())
-    assert rc == 1 and "leaves no test or valid documents among 300" in result["error"]
+    error = eval_error(output, tmp_path, "--dataset", str(trained.dataset), "--split", "100,0,0")
+    assert "leaves no test or valid documents among 300" in error

@@ -154,12 +154,16 @@ def _safe_outcome(state: str):
         return Outcome.ACTIVE
 
 
-def needs_squeue(records: dict[str, JobRecord], job_id: str) -> bool:
-    """Whether sacct's view of ``job_id`` needs squeue's: unknown yet, or maybe requeued."""
+def _retryable(state: str) -> bool:
     from operators.slurm.states import Outcome
 
+    return _safe_outcome(state) is Outcome.RETRYABLE
+
+
+def needs_squeue(records: dict[str, JobRecord], job_id: str) -> bool:
+    """Whether sacct's view of ``job_id`` needs squeue's: unknown yet, or maybe requeued."""
     view = job_view(records, job_id)
-    return view is None or _safe_outcome(view.state) is Outcome.RETRYABLE
+    return view is None or _retryable(view.state)
 
 
 def merge_live(records: dict[str, JobRecord], live: dict[str, JobRecord]) -> dict[str, JobRecord]:
@@ -177,8 +181,7 @@ def merge_live(records: dict[str, JobRecord], live: dict[str, JobRecord]) -> dic
         known = merged.get(job_id)
         if known is None:
             merged[job_id] = row
-        elif (_safe_outcome(known.state) is Outcome.RETRYABLE
-              and _safe_outcome(row.state) is Outcome.ACTIVE):
+        elif _retryable(known.state) and _safe_outcome(row.state) is Outcome.ACTIVE:
             merged[job_id] = replace(row, state_detail=f"requeued after {known.state}")
     return merged
 

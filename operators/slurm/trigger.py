@@ -19,7 +19,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators.slurm.parse import job_view
 from operators.slurm.poller import ClusterPoller
-from operators.slurm.states import SettleGate, UnknownSlurmState, classify
+from operators.slurm.states import Outcome, SettleGate, UnknownSlurmState, classify
 
 # Job-log bytes forwarded per round: enough for chatty jobs, bounded for the triggerer.
 LOG_CHUNK = 256 * 1024
@@ -90,8 +90,9 @@ class SlurmJobTrigger(BaseTrigger):
             "result_path": self.result_path,
         })
 
-    async def _outputs(self, poller: ClusterPoller) -> dict[str, Any]:
-        """The result JSON and the log's tail, read on the poller's connection.
+    async def _outputs(self, poller: ClusterPoller, outcome: Outcome) -> dict[str, Any]:
+        """The result JSON and, unless the job succeeded, the log's tail (for the task's
+        error), read on the poller's connection.
 
         Best effort: what cannot be read here is left out, and the task reads it itself.
         """
@@ -101,7 +102,7 @@ class SlurmJobTrigger(BaseTrigger):
                 data = await poller.read_log(self.result_path, 0, RESULT_IN_EVENT_MAX + 1)
                 if len(data) <= RESULT_IN_EVENT_MAX:
                     found["result"] = json.loads(data) if data.strip() else None
-            if self.log_path:
+            if self.log_path and outcome is not Outcome.SUCCESS:
                 tail = await poller.tail(self.log_path, LOG_TAIL_BYTES)
                 found["log_tail"] = tail.decode("utf-8", "replace")
         except Exception as exc:  # noqa: BLE001 - the task falls back to reading them
@@ -165,7 +166,7 @@ class SlurmJobTrigger(BaseTrigger):
                     await self._stream_log(poller)
                     yield self._event("terminal", outcome=outcome.value,
                                       record=record_payload(record),
-                                      **await self._outputs(poller))
+                                      **await self._outputs(poller, outcome))
                     return
         finally:
             poller.unwatch(self.job_id)

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install cluster-up cluster-down cluster-status test lint bench demo demo-down
+.PHONY: install cluster-up cluster-down cluster-status test test-fast lint bench demo demo-down
 
 install:
 	bash docker/bootstrap.sh
@@ -21,6 +21,11 @@ cluster-status:
 # The test command of the README and of .ci/run.
 test: cluster-up
 	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# Everyday work: the pure tier only (no cluster, Airflow, MLflow/S3 servers or training), after
+# `make install`; tiers are read from the fixtures a test uses (tests/support/tiers.py).
+test-fast:
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m pure $(PYTEST_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check operators plugins jobscripts dags tests

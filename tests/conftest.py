@@ -2,8 +2,10 @@
 real MLflow server with its artifacts on a real moto S3 server.
 
 mlflow's boot is the slow part (20-60 s of imports on 2 cores), so the tracking servers start
-booting as soon as collection shows a test that needs them, and the boot overlaps the tests
-that run before.
+booting as soon as the *selected* tests (after ``-m``/``-k`` deselection) include one that needs
+them, and the boot overlaps the tests that run before.
+
+Every test is marked by cost (tests/support/tiers.py): ``-m pure`` runs what needs nothing.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import cluster
+from tests.support import cluster, tiers
 from tests.support.airflow import Standalone, airflow_env, migrate
-from tests.support.mlflow_server import MlflowServer, MotoS3, TrackingStack
+from tests.support.mlflow_server import BUCKET, MlflowServer, MotoS3, TrackingStack
+
+pytest_plugins = ["pytester"]  # tests/test_tiers.py runs these hooks on a small suite
 
 DAGS = Path(__file__).parent / "dags"
-BUCKET = "pp-artifacts"
 _stack: dict[str, TrackingStack] = {}
 
 
@@ -31,8 +34,20 @@ def _boot() -> TrackingStack:
     return _stack["stack"]
 
 
-def pytest_collection_modifyitems(items):
-    if any("servers" in getattr(item, "fixturenames", ()) for item in items):
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items) -> None:
+    # tryfirst: the tier markers must be on the items before -m deselects by them.
+    for item in items:
+        own = {mark.name for mark in item.iter_markers()}
+        for name in sorted(tiers.tiers_of(getattr(item, "fixturenames", ()), own) - own):
+            item.add_marker(name)
+
+
+def pytest_collection_finish(session) -> None:
+    # session.items is what survived -m/-k: boot only if a selected test needs the stack.
+    if session.config.option.collectonly:
+        return
+    if any(tiers.STACK_FIXTURE in getattr(item, "fixturenames", ()) for item in session.items):
         _boot()
 
 

@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.export import TRAIN_ITERS, run_export
 from tests.trainer.synthetic_data import EOD_ID, VOCAB_SIZE, base_config, write_dataset
-
-TRAIN_ITERS = 24
 
 
 def chain_successors(seed: int = 0) -> np.ndarray:
@@ -91,14 +90,6 @@ def trained(tmp_path_factory) -> Trained:
     heldout.write_text("".join(json.dumps({"text": t}) + "\n" for t in heldout_texts(12)))
     return Trained(base / "ckpt", tokenizer, heldout, config["seq_length"], untrained, prefix,
                    config["split"], config)
-
-
-def run_export(output: Path, *flags: str) -> tuple[int, dict]:
-    from jobscripts.export_hf import main
-
-    result = output.parent / f"{output.name}.result.json"
-    rc = main(["--output", str(output), "--result", str(result), *flags])
-    return rc, json.loads(result.read_text())
 
 
 @pytest.fixture(scope="session")

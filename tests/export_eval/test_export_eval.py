@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobscripts import checkpoints
-from tests.export_eval.conftest import TRAIN_ITERS, run_export
+from tests.support.export import TRAIN_ITERS, run_export
 
 
 def run_eval(model: Path, trained, out: Path, *flags: str, data: list[str] | None = None

@@ -32,8 +32,8 @@ from operators.campaign.layout import Layout
 from operators.campaign.load import campaign_from_dict
 from operators.campaign.paths import RunPaths
 from tests.campaign.util import DELETE, edited, raw
-from tests.export_eval.conftest import TRAIN_ITERS
 from tests.support import cluster
+from tests.support.export import TRAIN_ITERS
 
 pytestmark = pytest.mark.cluster
 USER = "pretrain"

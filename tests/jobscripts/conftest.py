@@ -7,25 +7,13 @@ S3 API: moto's server, one per session, started only by tests that ask for it.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 from pathlib import Path
 
 import pytest
 
+from tests.support.data_stage import VOCAB, ok, tokenize_argv
+
 DEMO_BYTES = 250_000
-VOCAB = 1200
-
-
-def parquet_bytes(rows: list[tuple[str | None, str]]) -> bytes:
-    """A FineWeb-layout Parquet file (``text``, ``id``) holding ``rows``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    sink = pa.BufferOutputStream()
-    pq.write_table(pa.table({"text": [r[0] for r in rows], "id": [r[1] for r in rows]}), sink)
-    return sink.getvalue().to_pybytes()
 
 
 @pytest.fixture(scope="session")
@@ -36,36 +24,9 @@ def moto_s3(tmp_path_factory):
         yield server
 
 
-def run_main(main, argv: list[str], result: Path) -> tuple[int, dict, str]:
-    """Run an entry point in-process; return (exit code, result JSON, captured stdout)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main([*argv, "--result", str(result)])
-    return code, json.loads(result.read_text()), out.getvalue()
-
-
 @pytest.fixture(scope="session")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data-stage")
-
-
-def ok(main, argv: list[str], result: Path) -> dict:
-    """Run an entry point that must succeed; return its result JSON."""
-    code, payload, _ = run_main(main, argv, result)
-    assert code == 0, payload
-    return payload
-
-
-def tokenize_argv(src, tokenizer_dir, out, *extra: str) -> list[str]:
-    return [
-        "--input",
-        str(src),
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,9 @@ import pytest
 import yaml
 
 from operators.slurm.jobkey import job_key
-from tests.jobscripts.conftest import parquet_bytes
 from tests.support import cluster
 from tests.support.airflow import AIRFLOW, dags_test
+from tests.support.data_stage import parquet_bytes
 from tests.support.mlflow_server import S3_KEY_ID, S3_SECRET
 
 pytestmark = pytest.mark.cluster

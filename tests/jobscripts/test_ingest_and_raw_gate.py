@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tests.jobscripts.conftest import run_main
+from tests.support.data_stage import bad_corpus, run_main
 
 
 def test_demo_corpus_has_fineweb_layout_and_is_deterministic(demo_parquet, tmp_path):
@@ -146,23 +146,6 @@ def test_raw_gate_passes_on_demo_and_writes_data_docs(ingested, work):
     )
     assert result["sampled"] == ingested["docs_out"]
     assert Path(result["data_docs"]).is_file() and "PASS duplicate_rate" in log
-
-
-def bad_corpus(path: Path) -> None:
-    lines = [
-        json.dumps({"id": "1", "text": "A perfectly normal document."}).encode(),
-        json.dumps({"id": "2", "text": None}).encode(),  # null text
-        json.dumps({"id": "3", "text": ""}).encode(),  # empty
-        b'{"id": "4", "text": "caf\xe9 latin-1 bytes"}',  # invalid UTF-8
-        json.dumps({"id": "5", "text": "Same words twice."}).encode(),
-        json.dumps({"id": "6", "text": "Same words twice."}).encode(),  # duplicate text
-        b'{"id": "7", "text": "unterminated',  # malformed JSON
-        json.dumps({"id": "1", "text": "Another id one."}).encode(),  # duplicate id
-        json.dumps(
-            {"id": "9", "text": "mojibake \ufffd\ufffd\ufffd and \x00\x01 controls"}
-        ).encode(),
-    ]
-    path.write_bytes(b"\n".join(lines) + b"\n")
 
 
 def test_raw_gate_stops_a_bad_corpus_with_reasons_and_lines(tmp_path):

@@ -13,8 +13,8 @@ import pytest
 from operators.campaign.layout import RESULT_FILE
 from operators.slurm.operator import PYTHON_ENV, build_spec, log_path_for, python_module_command
 from operators.slurm.states import Outcome, classify
-from tests.jobscripts.test_ingest_and_raw_gate import bad_corpus
 from tests.support import cluster
+from tests.support.data_stage import bad_corpus
 
 pytestmark = pytest.mark.cluster
 

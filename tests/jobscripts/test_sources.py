@@ -23,7 +23,7 @@ from operators.campaign.layout import Layout
 from operators.campaign.load import CampaignConfigError, campaign_from_dict, load_campaign
 from operators.campaign.paths import RunPaths
 from tests.campaign.util import DEMO, LLAMA_8B, edited, raw
-from tests.jobscripts.conftest import parquet_bytes, run_main
+from tests.support.data_stage import parquet_bytes, run_main
 from tests.support.mlflow_server import S3_KEY_ID, S3_SECRET
 
 FINEWEB = "hf://datasets/HuggingFaceFW/fineweb"

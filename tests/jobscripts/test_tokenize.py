@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.jobscripts.conftest import VOCAB, ok, run_main, tokenize_argv
+from tests.support.data_stage import VOCAB, ok, run_main, tokenize_argv
 
 
 def reference_write(jsonl: Path, tokenizer, prefix: Path) -> None:

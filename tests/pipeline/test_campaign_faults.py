@@ -36,7 +36,7 @@ from operators.campaign import logparse
 from tests.support import cluster
 from tests.support.airflow import Standalone, airflow_env
 from tests.support.mlflow_server import S3_SECRET, TcpProxy
-from tests.trainer.conftest import losses, run_trainer
+from tests.support.trainer import losses, run_trainer
 
 # The story runs three DAG runs end to end in the module's fixture: ~12 min on 2 idle cores.
 pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(2700)]

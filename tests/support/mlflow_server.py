@@ -29,6 +29,7 @@ from pathlib import Path
 VENV_BIN = Path(sys.executable).parent
 S3_KEY_ID = "pp-test-key-id"  # moto accepts any keys; these are checked never to leak
 S3_SECRET = "pp-test-secret-never-logged"
+BUCKET = "pp-artifacts"  # the session stack's artifact bucket (tests/conftest.py)
 
 
 def free_port() -> int:

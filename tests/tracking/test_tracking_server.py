@@ -11,8 +11,7 @@ from operators.campaign import logparse
 from operators.slurm.parse import JobRecord
 from operators.tracking import artifacts, params, runs
 from operators.tracking.tracker import Tracker
-from tests.conftest import BUCKET
-from tests.support.mlflow_server import S3_KEY_ID, S3_SECRET
+from tests.support.mlflow_server import BUCKET, S3_KEY_ID, S3_SECRET
 from tests.tracking.logs import GLOBAL_BATCH, SEQ_LENGTH, VALUES_PER_ITERATION, segment_log
 
 

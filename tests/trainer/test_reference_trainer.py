@@ -13,7 +13,7 @@ import pytest
 
 from jobscripts import checkpoints
 from operators.campaign import logparse
-from tests.trainer.conftest import losses, run_trainer
+from tests.support.trainer import losses, run_trainer
 
 
 def assert_same_losses(split: dict[int, float], whole: dict[int, float]) -> None:

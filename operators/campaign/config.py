@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from operators.campaign.fields import (
     AbsPath,
     Bind,
     ConnId,
-    EnvValue,
+    Environment,
     Image,
     Memory,
     NonNegFloat,
@@ -33,7 +33,6 @@ from operators.campaign.fields import (
     SlurmTime,
     Source,
     Text,
-    env_key,
     slurm_minutes,
 )
 from operators.campaign.rules import cross_field_problems
@@ -70,7 +69,7 @@ class Cluster(Section):
     time_limit: SlurmTime  # per segment job; segments chain past it
     exclusive: bool = False
     container: Container | None = None  # None: run in the host's environment
-    environment: dict[Annotated[str, AfterValidator(env_key)], EnvValue] = {}
+    environment: Environment = {}  # exported in every job; see fields.env_key
     remote_root: AbsPath | None = None  # campaign dirs live under <remote_root>/<name>/
 
     @property

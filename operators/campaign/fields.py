@@ -9,6 +9,7 @@ mirror ``operators.slurm.spec`` so a campaign that validates here also passes ``
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated
 
@@ -59,9 +60,18 @@ def _no_traversal(value: str) -> str:
     return value
 
 
+def _not_an_option(value: str) -> str:
+    # Paths, images, URIs and tokenizers are arguments of commands (apptainer, the jobs'
+    # argparse): one starting with '-' would be read as an option, '--help' or '--fakeroot'.
+    if value.startswith("-"):
+        raise ValueError(f"must not start with '-': it would be read as an option (got {value!r})")
+    return value
+
+
 def _path(value: str) -> str:
     _matching(_PATH, "a path of letters, digits and _./@+=:,- (no spaces or shell "
                      "metacharacters)")(value)
+    _not_an_option(value)
     return _no_traversal(value)
 
 
@@ -97,6 +107,7 @@ def _source(value: str) -> str:
     _clean(value)
     if value == "demo":
         return value
+    _not_an_option(value)
     if not _GLOB.match(value):
         raise ValueError("must be 'demo', an s3:// or hf:// URI, or a path/glob of letters, "
                          f"digits and _./@+=:,-*?[] (got {value!r})")
@@ -110,8 +121,27 @@ def _source(value: str) -> str:
     return value
 
 
+# Names a job script cannot export or must not: bash's read-only and special variables
+# (``export UID=...`` kills the job under ``set -e``; IFS, BASH_ENV, PS4 change how the script
+# itself runs), Slurm's own, the dynamic loader's, and the project's (PP_PYTHON names the
+# cluster's Python from the connection's remote_python).
+RESERVED_ENV_PREFIXES = ("PP_", "SLURM_", "BASH")
+RESERVED_ENV_NAMES = frozenset({
+    "SHELLOPTS", "UID", "EUID", "PPID", "GROUPS", "FUNCNAME", "LINENO", "RANDOM", "SRANDOM",
+    "SECONDS", "HISTCMD", "OPTIND", "OPTARG", "OPTERR", "IFS", "ENV", "PS1", "PS2", "PS3",
+    "PS4", "DIRSTACK", "PIPESTATUS", "EPOCHSECONDS", "EPOCHREALTIME", "POSIXLY_CORRECT",
+    "COMP_WORDBREAKS", "MAPFILE", "LD_PRELOAD", "LD_AUDIT", "_"})
+MAX_ENV_VALUE = 4096
+MAX_ENV_BYTES = 64 << 10  # every exec of the job carries it; Linux allows 128 KiB per string
+MAX_ENV_ENTRIES = 128
+
+
 def env_key(value: str) -> str:
     _matching(_ENV_NAME, "a shell variable name")(value)
+    if value in RESERVED_ENV_NAMES or value.startswith(RESERVED_ENV_PREFIXES):
+        raise ValueError(f"{value!r} is reserved: bash, Slurm or this project sets it "
+                         f"(refused: {', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} and "
+                         "bash's special variables)")
     if any(_SECRET_WORD.match(word) for word in value.upper().split("_")):
         raise ValueError(
             f"{value!r} looks like a secret: the environment is written into the job script "
@@ -122,16 +152,30 @@ def env_key(value: str) -> str:
 
 def _env_value(value: str) -> str:
     _clean(value)
+    if len(value) > MAX_ENV_VALUE:
+        raise ValueError(f"{len(value)} characters: at most {MAX_ENV_VALUE}")
     if _ENV_VALUE_BAD.search(value):
         raise ValueError("values are exported literally (quoted), so $ ` ; | & < > \\ would "
                          f"never be expanded: remove them (got {value!r})")
     return value
 
 
+def _environment(value: dict[str, str]) -> dict[str, str]:
+    size = sum(len(k) + len(v) + 2 for k, v in value.items())
+    if len(value) > MAX_ENV_ENTRIES or size > MAX_ENV_BYTES:
+        raise ValueError(f"{len(value)} variables, {size} bytes: at most {MAX_ENV_ENTRIES} "
+                         f"and {MAX_ENV_BYTES >> 10} KiB (every command of the job carries "
+                         "them; too many and exec fails with 'Argument list too long')")
+    return value
+
+
+MAX_TIME_DAYS = 365  # beyond any cluster's limit; Slurm's own field holds minutes
+
+
 def slurm_minutes(value: str) -> int:
     """Slurm's time formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) -> minutes,
     rounded up: a limit of 90 s still leaves the job its 2nd minute."""
-    m = _SLURM_TIME.match(value)
+    m = _SLURM_TIME.match(value) if len(value) <= 16 else None
     if m is None:
         raise ValueError(f"must be a Slurm time such as 30, 04:00:00 or 1-00:00:00 (got {value!r})")
     if m["d"] is not None:
@@ -143,6 +187,11 @@ def slurm_minutes(value: str) -> int:
         seconds = int(m["a"]) * 60 + int(m["b"] or 0)
     if seconds <= 0:
         raise ValueError(f"must be longer than zero (got {value!r})")
+    if seconds > MAX_TIME_DAYS * 86400:
+        raise ValueError(f"must be at most {MAX_TIME_DAYS} days (got {value!r})")
+    if m["a"] is not None and len(m["a"]) > 4:
+        # The job spec (and so sbatch's line) takes at most 4 digits before the first ':'.
+        raise ValueError(f"write {value!r} with days, e.g. '7-00:00:00'")
     return -(-seconds // 60)
 
 
@@ -165,6 +214,8 @@ def _text(value: str) -> str:
 def _no_bool(value: object) -> object:
     if isinstance(value, bool):
         raise ValueError("must be a number, not true/false")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number (got {value})")
     return value
 
 
@@ -181,7 +232,7 @@ _CRON_ITEM = re.compile(r"^(?:\*|(?P<lo>\w+)(?:-(?P<hi>\w+))?)(?:/(?P<step>[0-9]
 def _cron_number(token: str, lo: int, hi: int, names: tuple[str, ...], what: str) -> int:
     if token.upper() in names:
         return names.index(token.upper()) + (1 if what == "month" else 0)
-    if not token.isdigit() or not lo <= int(token) <= hi:
+    if not (token.isascii() and token.isdigit()) or not lo <= int(token) <= hi:
         raise ValueError(f"cron {what} field: {token!r} is not in {lo}-{hi}")
     return int(token)
 
@@ -207,15 +258,41 @@ def _schedule(value: str | None) -> str | None:
                 first = _cron_number(m["lo"], lo, hi, names, what)
                 if m["hi"] is not None and _cron_number(m["hi"], lo, hi, names, what) < first:
                     raise ValueError(f"cron {what} field: range {item!r} runs backwards")
+    return _airflow_cron(value)
+
+
+def _airflow_cron(value: str) -> str:
+    """The expression as the scheduler will read it: Airflow's own timetable (imported here:
+    Airflow is loaded wherever campaigns are), which must also find a next run."""
+    from airflow.exceptions import AirflowTimetableInvalid
+    from airflow.timetables.base import TimeRestriction
+    from airflow.timetables.trigger import CronTriggerTimetable
+    from croniter import CroniterBadDateError, CroniterError
+    from pendulum import datetime as utc_datetime
+
+    try:
+        timetable = CronTriggerTimetable(value, timezone="UTC")
+        timetable.validate()
+        start = utc_datetime(2026, 1, 1)
+        info = timetable.next_dagrun_info(last_automated_data_interval=None,
+                                          restriction=TimeRestriction(start, None, False))
+    except CroniterBadDateError:
+        raise ValueError(f"{value!r} never fires: no date matches it") from None
+    except (AirflowTimetableInvalid, CroniterError, ValueError) as exc:
+        raise ValueError(f"Airflow refuses {value!r}: {exc}") from None
+    if info is None:
+        raise ValueError(f"{value!r} never fires")
     return value
 
 
 # --- the annotated types the schema uses -----------------------------------------------------
-PosInt = Annotated[int, Strict(), Field(gt=0)]
-NonNegInt = Annotated[int, Strict(), Field(ge=0)]
-PosFloat = Annotated[float, BeforeValidator(_no_bool), Field(gt=0)]
-NonNegFloat = Annotated[float, BeforeValidator(_no_bool), Field(ge=0)]
-Share = Annotated[float, BeforeValidator(_no_bool), Field(ge=0, le=1)]
+INT_MAX = 2**63 - 1  # int64: what Slurm, Megatron and JSON readers take
+PosInt = Annotated[int, Strict(), Field(gt=0, le=INT_MAX)]
+NonNegInt = Annotated[int, Strict(), Field(ge=0, le=INT_MAX)]
+# inf and nan are refused: an 'inf' learning rate or blend weight trains nothing useful.
+PosFloat = Annotated[float, BeforeValidator(_no_bool), Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, BeforeValidator(_no_bool), Field(ge=0, allow_inf_nan=False)]
+Share = Annotated[float, BeforeValidator(_no_bool), Field(ge=0, le=1, allow_inf_nan=False)]
 Slug = Annotated[str, AfterValidator(_matching(_SLUG, "a slug: letters, digits, '_', '-' "
                                                       "(max 64, not starting with '-' or '_')"))]
 SlurmName = Annotated[str, AfterValidator(_matching(_SLURM_NAME, "letters, digits, '.', '_', "
@@ -227,6 +304,8 @@ Bind = Annotated[str, AfterValidator(_bind)]
 Image = Annotated[str, AfterValidator(_path)]  # a .sif path or docker://registry/image:tag
 Source = Annotated[str, AfterValidator(_source)]
 EnvValue = Annotated[str, AfterValidator(_env_value)]
+Environment = Annotated[dict[Annotated[str, AfterValidator(env_key)], EnvValue],
+                        AfterValidator(_environment)]
 Memory = Annotated[str, AfterValidator(_matching(_MEMORY, "a size such as 64G, or 0 for all"))]
 SlurmTime = Annotated[str, BeforeValidator(_slurm_time)]
 Schedule = Annotated[str | None, AfterValidator(_schedule)]

@@ -7,7 +7,9 @@ the YAML tells us, the line, and suggests the key that was probably meant.
 
 from __future__ import annotations
 
+import codecs
 import difflib
+import itertools
 import os
 import re
 from typing import Any, NamedTuple
@@ -24,9 +26,12 @@ class Problem(NamedTuple):
     line: int | None = None
 
     def __str__(self) -> str:
-        where = self.field + (f" (line {self.line})" if self.line and self.field else "")
-        where = where or (f"line {self.line}" if self.line else "")
-        return f"{where}: {self.message}" if where else self.message
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+    def located(self, path: str) -> str:
+        """``file:line: field: message``, the form compilers use, which editors and CI
+        annotations jump to."""
+        return f"{path}:{self.line}: {self}" if self.line else f"{path}: {self}"
 
 
 class CampaignConfigError(ValueError):
@@ -35,7 +40,7 @@ class CampaignConfigError(ValueError):
     def __init__(self, path: str, problems: list[Problem]) -> None:
         self.path = path
         self.problems = problems
-        lines = [f"{path}: {p}" for p in problems]
+        lines = [p.located(path) for p in problems]
         super().__init__(lines[0] if len(lines) == 1
                          else "invalid campaign config\n" + "\n".join(lines))
 
@@ -44,14 +49,51 @@ class CampaignConfigError(ValueError):
         return [p.field for p in self.problems]
 
 
+# A campaign is a page of settings: anything bigger is a mistake (a dataset pasted in, a
+# runaway generator), and reading it would cost every DAG parse.
+MAX_FILE_BYTES = 1 << 20
+# No campaign number needs more (a token count fits in 20 digits); Python refuses to parse
+# more than 4300 digits at all, with an error that names no line.
+MAX_INT_DIGITS = 20
+INT_LIMIT = 2**63  # an int64: what Slurm, Megatron and JSON readers all take
+MAX_PROBLEMS = 50  # reported per file: enough to fix a file, and bounded work for a huge one
+
+
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """SafeLoader (libyaml's when present: DAG files load campaigns at every parse) that
-    refuses duplicate keys (PyYAML keeps the last one silently) and reads ``1e-4`` as a
-    number (YAML 1.1 wants ``1.0e-4``; learning rates are written the short way)."""
+    refuses duplicate keys (PyYAML keeps the last one silently), complex keys
+    (``? [a, b]``) and integers beyond int64, and reads ``1e-4`` as a number (YAML 1.1
+    wants ``1.0e-4``; learning rates are written the short way)."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, OverflowError) as exc:  # e.g. a date of 2026-02-30
+            if isinstance(exc, yaml.YAMLError):
+                raise
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read this value: {exc}", node.start_mark) from None
+
+    def construct_yaml_int(self, node):
+        digits = sum(ch.isdigit() for ch in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {digits} digits is out of range", node.start_mark)
+        value = super().construct_yaml_int(node)
+        if not -INT_LIMIT <= value < INT_LIMIT:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"integer {value} is out of range (64-bit)", node.start_mark)
+        return value
 
     def construct_mapping(self, node, deep=False):
+        if not isinstance(node, yaml.MappingNode):
+            return super().construct_mapping(node, deep=deep)  # raises, with its mark
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key must be a plain name, not a list or mapping",
+                    key_node.start_mark)
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -61,6 +103,7 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         return super().construct_mapping(node, deep=deep)
 
 
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -146,22 +189,48 @@ def campaign_from_dict(raw: Any, path: str = "<campaign>", root: yaml.Node | Non
         return Campaign.model_validate(raw)
     except ValidationError as exc:
         problems = []
-        for error in _expanded(exc.errors()):
+        for error in itertools.islice(_expanded(exc.errors()), MAX_PROBLEMS):
             loc = tuple(error["loc"])
             field = _dotted(tuple(p for p in loc if p != "[key]"))
             problems.append(Problem(field, _message(error), _line(root, loc)))
+        if exc.error_count() > len(problems):
+            problems.append(Problem("", f"... and {exc.error_count() - len(problems)} more "
+                                        "problem(s)"))
         raise CampaignConfigError(path, problems) from None
+
+
+def _decoded(path: str, data: bytes) -> str:
+    """The file as text: UTF-8 only (what the dag-processor and every editor default to)."""
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise CampaignConfigError(path, [Problem("", "the file is UTF-16 (it starts with a "
+                                                     "UTF-16 byte order mark): save it as "
+                                                     "UTF-8")])
+    if b"\x00" in data:
+        raise CampaignConfigError(path, [Problem("", "the file holds NUL bytes: it is not a "
+                                                     "text file")])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise CampaignConfigError(path, [Problem(
+            "", f"not UTF-8: byte 0x{data[exc.start]:02x} at column {column} (a Latin-1 or "
+                "other legacy encoding?); save the file as UTF-8", line)]) from None
 
 
 def load_campaign(path: str | os.PathLike[str]) -> Campaign:
     """Read and validate one campaign file."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise CampaignConfigError(path, [Problem("", f"cannot read: {exc.strerror or exc}")]) \
             from None
+    if len(data) > MAX_FILE_BYTES:
+        raise CampaignConfigError(path, [Problem(
+            "", f"the file is over {MAX_FILE_BYTES >> 10} KiB: a campaign is a page of settings")])
+    text = _decoded(path, data)
     try:
         loader = _Loader(text)
         try:  # one parse: the node tree gives error lines, the document the values
@@ -174,8 +243,11 @@ def load_campaign(path: str | os.PathLike[str]) -> Campaign:
         what = " ".join(p for p in (exc.context, exc.problem) if p)
         if mark:
             what += f" (column {mark.column + 1})"
-        raise CampaignConfigError(path, [Problem("", f"YAML syntax error: {what}",
+        kind = "YAML" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+        raise CampaignConfigError(path, [Problem("", f"{kind}: {what}",
                                                  mark.line + 1 if mark else None)]) from None
     except yaml.YAMLError as exc:
         raise CampaignConfigError(path, [Problem("", f"YAML error: {exc}")]) from None
+    except RecursionError:
+        raise CampaignConfigError(path, [Problem("", "the YAML is nested too deeply")]) from None
     return campaign_from_dict(raw, path, root)

@@ -7,7 +7,10 @@ module imports nothing from the schema (which calls it from its validator).
 
 from __future__ import annotations
 
+import posixpath
 from typing import NamedTuple
+
+from operators.slurm.spec import ContainerSpec, JobSpec, JobSpecError
 
 
 class RecipeInfo(NamedTuple):
@@ -31,7 +34,7 @@ Problem = tuple[str, str]  # (dotted field path, message)
 
 
 def cross_field_problems(c) -> list[Problem]:
-    return [*_parallelism(c), *_schedule(c), *_paths(c), *_segments(c)]
+    return [*_parallelism(c), *_schedule(c), *_paths(c), *_segments(c), *_job_limits(c)]
 
 
 def _parallelism(c):
@@ -85,6 +88,10 @@ def _paths(c):
         yield "cluster.container", "a Bridge recipe runs inside the NeMo container: set it"
     if c.checkpoint.dir is None and c.cluster.remote_root is None:
         yield "cluster.remote_root", "needed unless checkpoint.dir is set"
+    if c.checkpoint.dir is not None and c.cluster.remote_root is None \
+            and posixpath.dirname(c.checkpoint.dir.rstrip("/")) in ("", "/"):
+        yield "checkpoint.dir", ("without cluster.remote_root the campaign's files go beside "
+                                 "the checkpoints: it needs a parent below '/'")
     k = c.checkpoint
     if k.keep_every is not None and k.keep_every % k.save_interval:
         yield "checkpoint.keep_every", (f"{k.keep_every} is not a multiple of save_interval "
@@ -96,3 +103,61 @@ def _segments(c):
     if limit - s.startup_estimate_min - s.save_estimate_s / 60 - s.margin_min < 1:
         yield "cluster.time_limit", (f"{limit} min leaves no training time after "
                                      "segments.startup_estimate_min + save_estimate_s + margin_min")
+
+
+# Beyond any node built: a larger request can never start, and Slurm says so only at sbatch.
+MAX_CPUS_PER_TASK = 1024
+MAX_GPUS_PER_NODE = 64
+MAX_NODES = 10_000
+MAX_RETRIES = 100
+MAX_RETRY_DELAY_S = 86_400  # Airflow's backoff grows from it; a timedelta overflows past 10**14
+
+# JobSpec field -> the campaign field it is made from, for the parse-time check below.
+_SPEC_FIELDS = {"partition": "cluster.partition", "account": "cluster.account",
+                "qos": "cluster.qos", "time": "cluster.time_limit", "mem": "cluster.mem",
+                "nodes": "cluster.nodes", "gpus_per_node": "cluster.gpus_per_node",
+                "cpus_per_task": "cluster.cpus_per_task", "environment": "cluster.environment",
+                "container.image": "cluster.container.image"}
+
+
+def _job_limits(c):
+    problems = list(_limits(c))
+    # The spec check repeats a limit's problem in the spec's words: one message per field.
+    return problems or list(_job_spec(c))
+
+
+def _limits(c):
+    cl = c.cluster
+    for name, value, cap in (("cluster.cpus_per_task", cl.cpus_per_task, MAX_CPUS_PER_TASK),
+                             ("data.tokenize_workers", c.data.tokenize_workers,
+                              MAX_CPUS_PER_TASK),
+                             ("cluster.gpus_per_node", cl.gpus_per_node, MAX_GPUS_PER_NODE),
+                             ("cluster.nodes", cl.nodes, MAX_NODES)):
+        if value is not None and value > cap:
+            yield name, f"{value} is more than any node has (at most {cap})"
+    for stage in ("data", "train", "export"):
+        retry = getattr(c.retries, stage)
+        if retry.retries > MAX_RETRIES:
+            yield f"retries.{stage}.retries", f"at most {MAX_RETRIES}"
+        if retry.retry_delay > MAX_RETRY_DELAY_S:
+            yield f"retries.{stage}.retry_delay", f"at most {MAX_RETRY_DELAY_S} s (a day)"
+
+
+def _job_spec(c):
+    """The job spec every job of the campaign starts from, validated now: what would fail
+    when a task renders its script fails at DAG parse instead, naming the campaign field."""
+    cl = c.cluster
+    container = None
+    if cl.container is not None:
+        container = ContainerSpec(image=cl.container.image, binds=tuple(cl.container.binds))
+    try:
+        JobSpec(name="pp-parse-check", command="true", output="/parse-check/slurm-%j.out",
+                partition=cl.partition, account=cl.account, qos=cl.qos, nodes=cl.nodes,
+                gpus_per_node=str(cl.gpus_per_node) if cl.gpus_per_node else None,
+                cpus_per_task=cl.cpus_per_task, mem=cl.mem, time=cl.time_limit,
+                environment=dict(cl.environment), container=container).validate()
+    except JobSpecError as exc:
+        name = exc.field_name
+        field = _SPEC_FIELDS.get(name) or ("cluster.container.binds" + name.removeprefix(
+            "container.binds") if name.startswith("container.binds") else f"cluster ({name})")
+        yield field, str(exc).removeprefix(f"job spec field {name!r}: ")

@@ -249,7 +249,7 @@ def test_yaml_syntax_error_names_the_line(tmp_path) -> None:
     text = DEMO.read_text().replace("  dedup: true", "  dedup: [true")
     error = _problems(text, tmp_path)
     (problem,) = error.problems
-    assert problem.line is not None and "line" in str(error) and "YAML syntax" in str(error)
+    assert problem.line is not None and f"campaign.yaml:{problem.line}: YAML syntax" in str(error)
 
 
 def test_duplicate_keys_are_refused_with_both_lines(tmp_path) -> None:

@@ -135,6 +135,9 @@ prepare_dirs() {
   install -d -o slurm -g slurm -m 700 "$STATE/slurmctld"
   install -d -o mysql -g mysql -m 755 "$STATE/mysqld"
   install -d -o munge -g munge -m 755 /run/munge
+  # gres.conf's GPUs: placeholders, not devices (a gpu GRES without File= is dropped by slurmd).
+  install -d -m 755 "$STATE/fake-gpu"
+  touch "$STATE/fake-gpu/nvidia"{0..3}
 }
 
 ensure_user() {
@@ -189,6 +192,7 @@ write_slurm_configs() {
   install -d -m 755 /etc/slurm
   render slurmdbd.conf.in | write_file /etc/slurm/slurmdbd.conf 600 slurm: slurmdbd
   render slurm.conf.in | write_file /etc/slurm/slurm.conf 644 root: slurmctld
+  render gres.conf.in | write_file /etc/slurm/gres.conf 644 root: slurmd
 }
 
 # slurmctld must find its cluster in slurmdbd when it starts; the account gives jobs an association.
@@ -206,9 +210,11 @@ ctld_up() { scontrol ping | grep -q 'is UP'; }
 # A node left DOWN or DRAINED by an unclean stop is resumed; ReturnToService covers most cases.
 node_ready() {
   local state
-  state=$(sinfo -h -N -n "$NODE" -o %t)
+  # One line per partition the node is in (debug and gpu): the same state on each.
+  state=$(sinfo -h -N -n "$NODE" -o %t | sort -u)
   [[ $state == *drain* || $state == down ]] && scontrol update nodename="$NODE" state=resume
-  [[ $state =~ ^(idle|mix|alloc|comp)$ ]]
+  # plnd: idle but reserved by the backfill planner for a pending job (a healthy node).
+  [[ $state =~ ^(idle|mix|alloc|comp|plnd)$ ]]
 }
 
 start_sshd() {

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from jobscripts.bridge_result import SegmentRecorder
+from jobscripts.job_files import SEGMENT_RESULT
 from jobscripts.results import write_json_atomic
 
 # Recipe families whose package is imported alone (importing megatron.bridge.recipes pulls
@@ -202,7 +203,7 @@ def parse_args(argv):
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True, help="e.g. llama31_8b")
     parser.add_argument("--config-file", required=True, help="Bridge override YAML")
-    parser.add_argument("--segment-result", default="segment.json")
+    parser.add_argument("--segment-result", default=SEGMENT_RESULT)
     parser.add_argument("--hf-offline", action="store_true",
                         help="no Hugging Face Hub access (also: HF_HUB_OFFLINE=1)")
     return parser.parse_known_args(argv)  # the rest: section.key=value overrides

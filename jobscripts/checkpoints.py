@@ -1,4 +1,5 @@
-"""The checkpoint-tracker contract (DESIGN.md §3), defined here and nowhere else.
+"""Saving, finding and pruning checkpoints under the tracker contract (docs/contracts.md; its
+names are defined in jobscripts/job_files.py).
 
 Layout under a checkpoint root, as Megatron writes it::
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -27,10 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-COMPLETE_MARKER = "complete.json"
-ITER_DIR_FORMAT = "iter_{:07d}"
-_ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
+from jobscripts.job_files import (
+    COMPLETE_MARKER,
+    ITER_DIR_FORMAT,
+    ITER_DIR_RE,
+    TRACKER_FILENAME,
+)
+
 _TEMP_PREFIX = ".tmp-"
 
 
@@ -158,7 +161,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[int]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = (_ITER_DIR_RE.match(p.name) for p in root.iterdir() if p.is_dir())
+    found = (ITER_DIR_RE.match(p.name) for p in root.iterdir() if p.is_dir())
     return sorted(int(m.group(1)) for m in found if m)
 
 

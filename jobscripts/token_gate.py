@@ -22,6 +22,7 @@ import numpy as np
 
 from jobscripts import manifest as manifest_lib
 from jobscripts.common import StepError, entry_point, log
+from jobscripts.job_files import MANIFEST_FILE
 from jobscripts.results import read_json
 
 
@@ -108,7 +109,7 @@ def targets(args: argparse.Namespace) -> tuple[list[tuple[str, int | None, int |
     """([(prefix, expected documents, text bytes)], vocab size, eod) from manifest or flags."""
     if args.dataset_dir:
         base = Path(args.dataset_dir)
-        manifest = manifest_lib.load(base / "manifest.json")
+        manifest = manifest_lib.load(base / MANIFEST_FILE)
         settings = manifest["settings"]
         return (
             [

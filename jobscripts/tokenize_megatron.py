@@ -46,6 +46,7 @@ from jobscripts.doc_encoder import Encoder, choose, encode_batch
 from jobscripts.doc_stream import describe_location, iter_documents, list_inputs, shard_stem
 from jobscripts.encoder_check import BackgroundCheck, Guess, GuessRejected, files_view
 from jobscripts.fast_encoder import TiktokenEncoder, Unsupported, tiktoken_spec
+from jobscripts.job_files import MANIFEST_FILE
 from jobscripts.megatron_tokenizer import load, output_dtype, sha256_file
 from jobscripts.shard_output import ShardWriter, finished, mark_done, merge, shard_identity
 
@@ -207,7 +208,7 @@ def checked_start(todo, tokenizer_dir: Path, sample: list, args) -> tuple:
 def run(args: argparse.Namespace) -> dict:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.json").unlink(missing_ok=True)  # stale manifests must not outlive a failed run
+    (out / MANIFEST_FILE).unlink(missing_ok=True)  # stale manifests must not outlive a failed run
     shards = list_inputs(args.input)
     if not shards:
         raise StepError(f"no .jsonl/.jsonl.gz/.parquet input matches {args.input}")
@@ -250,12 +251,12 @@ def run(args: argparse.Namespace) -> dict:
         dtype = np.dtype(settings["dtype"]).type
         records = [merge(records, out, args.merge, dtype, settings, args.hash_bin)]
     manifest = manifest_lib.build(records, settings, shards=shard_records if args.merge else None)
-    manifest_lib.write(out / "manifest.json", manifest)  # last: it certifies everything above
+    manifest_lib.write(out / MANIFEST_FILE, manifest)  # last: it certifies everything above
     elapsed = time.monotonic() - progress.start
     log(f"done: {manifest['total']['documents']} documents, {manifest['total']['tokens']} tokens")
     return {
         "output_dir": str(out),
-        "manifest": str(out / "manifest.json"),
+        "manifest": str(out / MANIFEST_FILE),
         "manifest_fingerprint": manifest["fingerprint"],
         "prefixes": [str(out / r["prefix"]) for r in records],
         "skipped_shards": len(shards) - len(todo),

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobscripts.job_files import SEGMENT_RESULT
+
 
 @dataclass
 class TrainerConfig:
@@ -72,7 +74,7 @@ class TrainerConfig:
     # Fixed, so float reductions happen in the same order every run. 1 by default: OpenMP
     # threads spin-wait, and on a shared or oversubscribed node 2 threads ran 10x slower.
     num_threads: int = 1
-    segment_result: str = "segment.json"
+    segment_result: str = SEGMENT_RESULT
 
     @property
     def ffn_size(self) -> int:

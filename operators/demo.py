@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,12 +21,18 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from operators.campaign.layout import Layout
+from operators.campaign.load import load_campaign
+from operators.campaign.naming import dag_id
+from operators.campaign.paths import RunPaths
+
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".demo"
 CLUSTER_ENV = Path(os.environ.get("PP_CLUSTER_STATE", "/var/lib/pretrain-cluster")) / "airflow.env"
 AIRFLOW_PORT, MLFLOW_PORT = 8080, 5000
-DAG_ID = "pretrain__demo"
-CAMPAIGN_DIR = "/home/pretrain/pp-campaigns/demo"  # dags/campaigns/demo.yaml's remote_root
+DEMO = load_campaign(REPO / "dags" / "campaigns" / "demo.yaml")
+DAG_ID = dag_id(DEMO)
+LAYOUT = Layout(RunPaths.for_campaign(DEMO))
 BIN = Path(sys.executable).parent
 
 
@@ -105,7 +112,7 @@ def up() -> int:
     _wait(f"DAG {DAG_ID} to be parsed", lambda: _get(f"{af}/api/v2/dags/{DAG_ID}"), 300)
     # A fresh campaign each time: the demo shows the whole pipeline, not a no-op rerun.
     subprocess.run(["ssh", "-F", "/dev/null", "-o", "BatchMode=yes", *_ssh_args(env),
-                    f"rm -rf {CAMPAIGN_DIR}"], check=True)
+                    f"rm -rf {shlex.quote(LAYOUT.paths.campaign_dir)}"], check=True)
     run = _get(f"{af}/api/v2/dags/{DAG_ID}/dagRuns",
                {"logical_date": None, "conf": {"skip_data_stage": False}}, "POST")
     run_id = run["dag_run_id"]
@@ -129,7 +136,7 @@ def _report(af: str, ml: str, run_id: str, state: str, seconds: float) -> None:
     tasks = _get(f"{af}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
     for ti in sorted(tasks, key=lambda t: t["start_date"] or ""):
         _say(f"  {ti['task_id']:<20} {ti['state']}")
-    history = Path(CAMPAIGN_DIR, "segments.jsonl")
+    history = Path(LAYOUT.segments_log)
     if history.exists():
         for line in history.read_text().splitlines():
             seg = json.loads(line)

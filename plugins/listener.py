@@ -1,7 +1,9 @@
 """Ends a campaign's MLflow parent run with its DAG run: FINISHED on success, FAILED else.
 
 Runs in the scheduler. The run is found by its ``pp.campaign`` tag, so the listener needs
-neither the cluster nor the task's XComs; MLflow being down only logs a warning.
+neither the cluster nor the task's XComs; MLflow being down only logs a warning. The MLflow
+connection is the campaign's own ``tracking.mlflow_conn_id``, read from the DAG's
+``mlflow_conn:<id>`` tag (operators/tracking/names.py); a DAG without it is not tracked.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ import logging
 
 from airflow.listeners import hookimpl
 
+from operators.campaign.naming import campaign_of_dag
+from operators.tracking.names import CAMPAIGN_TAG, PARENT_TAG, conn_id_from_dag_tags
+
 log = logging.getLogger(__name__)
-DAG_PREFIX = "pretrain__"
-MLFLOW_CONN_ID = "mlflow_default"
 
 
-def end_campaign_run(campaign: str, status: str, conn_id: str = MLFLOW_CONN_ID) -> int:
+def end_campaign_run(campaign: str, status: str, conn_id: str) -> int:
     """Set every RUNNING run tagged with ``campaign`` to ``status``; returns how many.
 
     No MLflow connection means no tracking here: return before importing mlflow, which
@@ -35,18 +38,33 @@ def end_campaign_run(campaign: str, status: str, conn_id: str = MLFLOW_CONN_ID) 
     client = make_client(tracking_settings(conn))
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments, filter_string=(
-        f"tags.`pp.campaign` = '{campaign}' and attributes.status = 'RUNNING'"))
+        f"tags.`{CAMPAIGN_TAG}` = '{campaign}' and attributes.status = 'RUNNING'"))
     for run in runs:
-        if run.data.tags.get("mlflow.parentRunId") is None:
+        if run.data.tags.get(PARENT_TAG) is None:
             client.set_terminated(run.info.run_id, status)
     return len(runs)
 
 
+def _dag_tags(dag_run) -> list[str]:
+    # The scheduler hands over the run with its serialized DAG; the REST API's state change
+    # may not, and then the DAG's tags come from its DagModel.
+    dag = getattr(dag_run, "dag", None)
+    if dag is not None:
+        return list(dag.tags or ())
+    model = getattr(dag_run, "dag_model", None)
+    return [t.name for t in getattr(model, "tags", None) or ()]
+
+
 def _on_end(dag_run, status: str) -> None:
-    if not dag_run.dag_id.startswith(DAG_PREFIX):
+    campaign = campaign_of_dag(dag_run.dag_id)
+    if campaign is None:
         return
     try:
-        ended = end_campaign_run(dag_run.dag_id[len(DAG_PREFIX):], status)
+        conn_id = conn_id_from_dag_tags(_dag_tags(dag_run))
+        if conn_id is None:
+            log.debug("%s: tracking is off", dag_run.dag_id)
+            return
+        ended = end_campaign_run(campaign, status, conn_id)
         log.info("%s: MLflow campaign run(s) set %s: %s", dag_run.dag_id, status, ended)
     except Exception as exc:  # noqa: BLE001 - a listener must never break the scheduler
         log.warning("%s: could not end the MLflow run: %s", dag_run.dag_id, exc)

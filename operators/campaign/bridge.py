@@ -21,6 +21,7 @@ import shlex
 
 import yaml
 
+from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.paths import RunPaths
 from operators.campaign.plan import (
     exit_duration_minutes,
@@ -32,7 +33,6 @@ __all__ = ["CONFIG_FILE", "MIXED_PRECISION", "SEGMENT_RESULT", "bridge_job", "br
            "bridge_segment", "exit_duration_minutes", "render_bridge_yaml"]
 
 CONFIG_FILE = "bridge.yaml"  # uploaded into the job's run directory (its working directory)
-SEGMENT_RESULT = "segment.json"
 MASTER_PORT = 29500
 MIXED_PRECISION = {"bf16": "bf16_mixed", "fp8": "bf16_with_fp8_current_scaling_mixed"}
 _RECOMPUTE = {

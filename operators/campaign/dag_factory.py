@@ -19,19 +19,16 @@ from airflow.sdk import DAG, Asset, Param, TaskGroup, chain, task
 
 from operators.campaign import stages
 from operators.campaign.layout import RESULT_FILE, Layout
+from operators.campaign.naming import DAG_PREFIX, dag_id  # noqa: F401 - DAG_PREFIX re-exported
 from operators.campaign.paths import RunPaths
 from operators.campaign.segment import TrainingSegmentOperator
 from operators.campaign.stage_operator import CampaignStageOperator
 from operators.campaign.summary import summary
 from operators.slurm.operator import SlurmJobOperator
+from operators.tracking.names import conn_dag_tag
 
-DAG_PREFIX = "pretrain__"
 START = datetime(2026, 1, 1)
 TRIGGER_RULE_AFTER_DATA = "none_failed"  # run when the data stage ran or was skipped
-
-
-def dag_id(campaign) -> str:
-    return f"{DAG_PREFIX}{campaign.name}"
 
 
 def manifest_asset(campaign, layout: Layout) -> Asset:
@@ -179,6 +176,11 @@ def _finish_stage(campaign, layout: Layout, retry: dict) -> list:
     return steps
 
 
+def _tracking_tags(campaign) -> list[str]:
+    # The scheduler's listener ends the campaign's MLflow run through this connection.
+    return [conn_dag_tag(campaign.tracking.mlflow_conn_id)] if campaign.tracking.enabled else []
+
+
 def build_dag(campaign, source: Path | None = None) -> DAG:
     layout = Layout(RunPaths.for_campaign(campaign))
     r = campaign.retries
@@ -186,7 +188,8 @@ def build_dag(campaign, source: Path | None = None) -> DAG:
     with DAG(
         dag_id=dag_id(campaign), schedule=campaign.schedule, start_date=START, catchup=False,
         max_active_runs=1, params=_params(campaign), doc_md=doc,
-        tags=["pretrain", "reference" if campaign.model.reference else "bridge"],
+        tags=["pretrain", "reference" if campaign.model.reference else "bridge",
+              *_tracking_tags(campaign)],
         description=campaign.description or None,
     ) as dag:
         data = _data_stage(campaign, layout, _retry_args(r.data)) if campaign.data.source \

@@ -1,4 +1,7 @@
-"""Where each stage of a campaign reads and writes on the cluster. The one place that says.
+"""The campaign directory: where each stage of a campaign reads and writes on the cluster. The
+one place that says (docs/contracts.md); RunPaths (paths.py) takes its roots from here.
+
+    <remote_root>/<name>/          the campaign directory (else checkpoint.dir's parent)
 
     <campaign>/data/corpus/        the demo corpus (Parquet), when data.source is 'demo'
     <campaign>/data/ingest/        JSONL shards from ingestion (ingest/jsonl) and their logs
@@ -12,15 +15,47 @@
     <campaign>/segments.jsonl      one line per finished segment (segment.json + Slurm record)
     <campaign>/export/hf/          Hugging Face export of the final checkpoint
     <campaign>/completed.json      the iteration whose export, evaluation and registration ran
+    <campaign>/tensorboard/        one event stream for all segments
+    <campaign>/data_cache/         Megatron's dataset index cache
 """
 
 from __future__ import annotations
 
 import posixpath
+from typing import TYPE_CHECKING
 
-from operators.campaign.paths import RunPaths
+from jobscripts.job_files import MANIFEST_FILE, RESULT_FILE, TRACKER_FILENAME
 
-RESULT_FILE = "result.json"  # every stage job writes its result here, in its run dir
+if TYPE_CHECKING:  # paths.py imports this module for the directory names
+    from operators.campaign.config import Campaign
+    from operators.campaign.paths import RunPaths
+
+# RESULT_FILE is re-exported: stage code names it beside the layout it writes into.
+__all__ = ["CHECKPOINTS", "DATA", "DATA_CACHE", "RESULT_FILE", "TENSORBOARD", "Layout",
+           "campaign_dir", "checkpoint_dir", "manifest_path"]
+
+# Directory names under the campaign directory.
+DATA = "data"
+CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"
+DATA_CACHE = "data_cache"
+
+
+def campaign_dir(campaign: Campaign) -> str:
+    """``<remote_root>/<name>``; without remote_root (the schema then requires checkpoint.dir)
+    the checkpoint dir's parent."""
+    root = campaign.cluster.remote_root
+    if root:
+        return posixpath.join(root, campaign.name)
+    return posixpath.dirname(campaign.checkpoint.dir.rstrip("/"))
+
+
+def checkpoint_dir(campaign: Campaign) -> str:
+    return campaign.checkpoint.dir or posixpath.join(campaign_dir(campaign), CHECKPOINTS)
+
+
+def manifest_path(data_dir: str) -> str:
+    return posixpath.join(data_dir, MANIFEST_FILE)
 
 
 class Layout:
@@ -37,7 +72,7 @@ class Layout:
         self.token_gate = posixpath.join(d, "token_gate")
         c = paths.campaign_dir
         self.checkpoints = paths.checkpoint_dir
-        self.tracker = posixpath.join(self.checkpoints, "latest_checkpointed_iteration.txt")
+        self.tracker = posixpath.join(self.checkpoints, TRACKER_FILENAME)
         self.pinned_manifest = posixpath.join(c, "pinned_manifest.json")
         self.mlflow_run_id = posixpath.join(c, "mlflow_run_id")
         self.segments_log = posixpath.join(c, "segments.jsonl")

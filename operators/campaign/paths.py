@@ -1,9 +1,5 @@
-"""Where a campaign's files live on the cluster: one directory per campaign.
-
-    <remote_root>/<name>/checkpoints/   iter_XXXXXXX/ + latest_checkpointed_iteration.txt
-    <remote_root>/<name>/data/          the data stage's .bin/.idx, manifest.json, tokenizer/
-    <remote_root>/<name>/tensorboard/   one event stream for all segments
-    <remote_root>/<name>/data_cache/    Megatron's dataset index cache
+"""The roots a training run needs on the cluster (the campaign and checkpoint directories, as
+layout.py defines them) and its runtime inputs (data prefixes, tokenizer dir, code dir).
 
 Each Slurm job also has its own run directory (``SlurmHook.run_dir(key)``, the job's
 working directory) holding its script, rendered config and ``segment.json``: those are
@@ -15,6 +11,7 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from operators.campaign import layout
 from operators.campaign.fields import checked_path
 
 
@@ -41,29 +38,24 @@ class RunPaths:
     @classmethod
     def for_campaign(cls, campaign, *, data_prefixes=None, tokenizer_dir: str | None = None,
                      code_dir: str | None = None) -> RunPaths:
-        root = campaign.cluster.remote_root
-        # Without remote_root (the schema then requires checkpoint.dir) the campaign dir is
-        # the checkpoint dir's parent.
-        campaign_dir = posixpath.join(root, campaign.name) if root else posixpath.dirname(
-            campaign.checkpoint.dir.rstrip("/"))
         return cls(
-            campaign_dir=campaign_dir,
-            checkpoint_dir=campaign.checkpoint.dir or posixpath.join(campaign_dir, "checkpoints"),
+            campaign_dir=layout.campaign_dir(campaign),
+            checkpoint_dir=layout.checkpoint_dir(campaign),
             data_prefixes=tuple(data_prefixes) if data_prefixes is not None else None,
             tokenizer_dir=tokenizer_dir, code_dir=code_dir)
 
     @property
     def data_dir(self) -> str:
-        return posixpath.join(self.campaign_dir, "data")
+        return posixpath.join(self.campaign_dir, layout.DATA)
 
     @property
     def manifest(self) -> str:
-        return posixpath.join(self.data_dir, "manifest.json")
+        return layout.manifest_path(self.data_dir)
 
     @property
     def tensorboard_dir(self) -> str:
-        return posixpath.join(self.campaign_dir, "tensorboard")
+        return posixpath.join(self.campaign_dir, layout.TENSORBOARD)
 
     @property
     def data_cache_dir(self) -> str:
-        return posixpath.join(self.campaign_dir, "data_cache")
+        return posixpath.join(self.campaign_dir, layout.DATA_CACHE)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 
+from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.layout import Layout
 from operators.campaign.plan import segment_exit_minutes, segment_job_options
 from operators.campaign.stages import stage_job
 from operators.slurm.operator import python_module_command
 
 CONFIG_FILE = "run.json"
-SEGMENT_RESULT = "segment.json"
 
 
 def run_config(campaign, layout: Layout, data_path: list[str], exit_minutes: float,

@@ -14,6 +14,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.layout import Layout
 from operators.campaign.paths import RunPaths
 from operators.campaign.plan import SegmentNoProgress, check_progress
@@ -58,7 +59,7 @@ class TrainingSegmentOperator(SlurmJobOperator):
             ssh_conn_id=campaign.cluster.ssh_conn_id, command="true", segment=segment,
             # A job that hit its time limit after saving made progress: that is success.
             success_outcomes=(Outcome.SUCCESS.value, Outcome.TIME_LIMIT.value),
-            result_file="segment.json", **kwargs)
+            result_file=SEGMENT_RESULT, **kwargs)
         self.campaign = campaign
 
     def _layout(self) -> Layout:
@@ -153,7 +154,10 @@ class TrainingSegmentOperator(SlurmJobOperator):
 
     def _rendered_files(self, context) -> dict[str, str]:
         run_dir = context["ti"].xcom_pull(task_ids=self.task_id, key="slurm_job")["run_dir"]
-        names = ("run.json", "bridge.yaml", "job.sbatch")
+        from operators.campaign import bridge, reference
+        from operators.slurm.hook import SCRIPT_NAME  # paramiko: not at DAG parse
+
+        names = (reference.CONFIG_FILE, bridge.CONFIG_FILE, SCRIPT_NAME)
         found = {n: self.hook.read_bytes(f"{run_dir}/{n}").decode() for n in names}
         return {n: text for n, text in found.items() if text}
 

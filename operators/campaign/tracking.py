@@ -21,6 +21,7 @@ from typing import Any
 
 from operators.campaign.layout import Layout
 from operators.campaign.remote import read_text, write_file
+from operators.tracking import names
 
 SPOOL_ROOT_ENV = "PP_TRACKING_SPOOL"  # where records wait while MLflow is down
 JOB_LOG_LIMIT = 8 << 20  # a stage's job log is uploaded up to its last 8 MiB
@@ -53,7 +54,7 @@ def campaign_run(tracker, campaign, hook, layout: Layout) -> str | None:
     """The campaign's parent run id, created on first use and stored on the cluster."""
     stored = (read_text(hook, layout.mlflow_run_id) or "").strip() or None
     run_id = tracker.campaign_run(experiment_name(campaign, tracker), campaign.name, stored,
-                                  tags={"pp.campaign": campaign.name})
+                                  tags={names.CAMPAIGN_TAG: campaign.name})
     if run_id and run_id != stored:
         write_file(hook, layout.mlflow_run_id, run_id)
         tracker.log_params(run_id, campaign.model_dump(mode="json"))
@@ -138,7 +139,6 @@ def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, An
                   files: dict[str, str]) -> None:
     """Metrics, accounting and artifacts of one finished segment."""
     from operators.campaign import logparse
-    from operators.tracking.runs import KIND_TAG
 
     tracker = open_tracker(campaign)
     if tracker is None:
@@ -146,8 +146,9 @@ def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, An
     tracker.flush()
     parent = campaign_run(tracker, campaign, hook, layout)
     ti = context["ti"]
-    child = _task_child(tracker, parent, ti, {KIND_TAG: "segment", "pp.stage": "train",
-                                              "pp.segment": ti.task_id})
+    child = _task_child(tracker, parent, ti, {
+        names.KIND_TAG: names.SEGMENT_KIND, names.STAGE_TAG: names.TRAIN_STAGE,
+        names.SEGMENT_TAG: ti.task_id})
     log = hook.read_bytes(summary["log_path"], 0, 256 << 20).decode("utf-8", "replace")
     records = list(logparse.parse_lines(log.splitlines()))
     t = campaign.training
@@ -189,14 +190,14 @@ def track_stage(campaign, hook, layout: Layout, context, stage: str, summary: di
     """A non-training stage's child run (tag ``pp.stage``): its job, ``files`` (artifact path
     -> content: result JSON, reports, manifest...), ended with ``status``; an evaluation's
     figures also on the campaign's run."""
-    from operators.tracking.runs import KIND_TAG
 
     tracker = open_tracker(campaign)
     if tracker is None:
         return
     tracker.flush()
     parent = campaign_run(tracker, campaign, hook, layout)
-    child = _task_child(tracker, parent, context["ti"], {KIND_TAG: "stage", "pp.stage": stage})
+    child = _task_child(tracker, parent, context["ti"],
+                        {names.KIND_TAG: names.STAGE_KIND, names.STAGE_TAG: stage})
     if stage == EVALUATE_STAGE:
         _log_evaluation(tracker, (child, parent), hook, layout, summary)
     _log_job(tracker, child, hook, summary, files, status=status)

@@ -2,14 +2,15 @@
 
 Uploaded: rendered configs and job scripts, job logs, GX reports (HTML), the dataset manifest,
 evaluation results, plots. Never uploaded: checkpoints (~100 GB for 8B at every save, which is
-what Bridge's own MLflow logger does; DESIGN.md §4): their URI is recorded as a tag instead.
+what Bridge's own MLflow logger does; docs/tracking.md): their URI is recorded as a tag instead.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
+
+from jobscripts.job_files import ITER_DIR_RE, TRACKER_FILENAME
 
 # Artifact paths by kind: one tree per run, the same in every run, so runs compare.
 CONFIGS = "configs"  # rendered run config (YAML), campaign YAML
@@ -24,8 +25,6 @@ CHECKPOINT_URI = "checkpoint_uri"  # tag: where the latest checkpoint of this ru
 CHECKPOINT_ITERATION = "checkpoint_iteration"
 # tag: why a resume did not load the checkpoint the tracker named (corrupt, missing)
 CHECKPOINT_FALLBACK = "checkpoint_fallback"
-_TRACKER = "latest_checkpointed_iteration.txt"
-_ITER_DIR = re.compile(r"^iter_\d{7}$")
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -33,9 +32,9 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     holding the tracker file) or, for a directory, holds one anywhere below it."""
     path = Path(path).absolute()
     for part in (path, *path.parents):
-        if _ITER_DIR.match(part.name) or (part / _TRACKER).is_file():
+        if ITER_DIR_RE.match(part.name) or (part / TRACKER_FILENAME).is_file():
             return True
-    return path.is_dir() and any(_ITER_DIR.match(p.name) or p.name == _TRACKER
+    return path.is_dir() and any(ITER_DIR_RE.match(p.name) or p.name == TRACKER_FILENAME
                                  for p in path.rglob("*"))
 
 

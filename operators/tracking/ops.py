@@ -31,11 +31,11 @@ from operators.tracking.limits import (
     clip_key,
     clip_value,
 )
+from operators.tracking.names import PARAM_CHANGED_TAG
 
 log = logging.getLogger(__name__)
 
 CHILD_REF = "child:"
-PARAM_CHANGED_TAG = "pp.param_changed."
 
 
 def _op(kind: str, **fields) -> dict:

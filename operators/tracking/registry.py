@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from operators.tracking.runs import KIND_TAG, _quoted, child_run, finish_run
+from operators.tracking.names import EXPORT_KIND, KIND_TAG, UPLOADED_TAG
+from operators.tracking.runs import _quoted, child_run, finish_run
 
 CANDIDATE_ALIAS = "candidate"
 ARTIFACT_PATH = "model"
-EXPORT_KIND = "export"  # KIND_TAG value of the export's child run
-UPLOADED_TAG = "pp.artifacts_complete"
 # eval.json key (jobscripts/evaluate.py) -> MLflow metric name on the campaign's run.
 EVAL_METRICS = {
     "perplexity": "eval_perplexity",

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 
+from operators.tracking.names import (
+    CAMPAIGN_KIND,
+    CAMPAIGN_TAG,
+    CHILD_KEY_TAG,
+    KIND_TAG,
+    PARENT_TAG,
+)
+
 log = logging.getLogger(__name__)
 
-PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: nests the child under the parent in the UI
-CAMPAIGN_TAG = "pp.campaign"
-KIND_TAG = "pp.kind"  # campaign | stage | segment | export (registry.py)
-CHILD_KEY_TAG = "pp.child_key"
-CAMPAIGN_KIND = "campaign"
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 
 

@@ -38,10 +38,6 @@ class Plan:
         return self.start_iteration >= self.train_iters
 
 
-def is_done(campaign, iteration: int | None) -> bool:
-    return (iteration or 0) >= campaign.training.train_iters
-
-
 def next_target(campaign, iteration: int | None) -> int:
     """The iteration a segment starting at ``iteration`` stops at, at the latest."""
     iteration, total = iteration or 0, campaign.training.train_iters

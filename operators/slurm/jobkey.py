@@ -23,8 +23,3 @@ def job_key(dag_id: str, run_id: str, task_id: str, map_index: int = -1,
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     slug = _UNSAFE.sub("_", task_id).strip("._-")[:48] or "task"
     return f"{PREFIX}-{slug}-{digest}"
-
-
-def run_dir_name(key: str) -> str:
-    """The per-job directory under the cluster's work dir. The key is already safe."""
-    return key

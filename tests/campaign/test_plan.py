@@ -8,7 +8,6 @@ from operators.campaign.load import campaign_from_dict
 from operators.campaign.plan import (
     SegmentNoProgress,
     check_progress,
-    is_done,
     next_target,
     plan_segments,
     save_seconds_estimate,
@@ -49,7 +48,6 @@ def test_off_grid_train_iters_ends_at_train_iters() -> None:
 def test_done_plans_no_segments(iteration) -> None:
     plan = plan_segments(_campaign(), iteration)
     assert plan.done and plan.segments == ()
-    assert is_done(_campaign(), iteration)
 
 
 def test_time_cut_segments_all_aim_at_train_iters() -> None:
@@ -59,7 +57,7 @@ def test_time_cut_segments_all_aim_at_train_iters() -> None:
                                                                       for i in range(1, 7)]
     assert plan.segments[0].start_iteration == 250
     assert all(s.start_iteration is None for s in plan.segments[1:])  # known only at run time
-    assert not is_done(c, 999) and is_done(c, 1000)
+    assert not plan_segments(c, 999).done and plan_segments(c, 1000).done
 
 
 def test_progress() -> None:

@@ -13,8 +13,7 @@ import time
 from typing import Any
 
 from jobscripts import checkpoints
-
-COMPLETED, TIME_LIMIT, SIGNAL, FAILED = "completed", "time_limit", "signal", "failed"
+from jobscripts.vocabulary import COMPLETED, FAILED, SIGNAL, TIME_LIMIT
 
 
 def _scalar(value: Any) -> float | None:

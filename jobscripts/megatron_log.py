@@ -1,7 +1,11 @@
-"""Log lines in Megatron-LM's exact formats, so one parser (operators/campaign/logparse.py)
-serves the reference trainer and Megatron Bridge alike. Format strings are copied from
-Megatron-LM's ``training.py``/``checkpointing.py``/``timers.py``; keep them byte-for-byte.
-Every function returns the text; ``emit`` prints and flushes (Slurm buffers otherwise).
+"""Log lines in Megatron Bridge's / Megatron-LM's exact formats, so one parser
+(operators/campaign/logparse.py) serves the reference trainer and Megatron Bridge alike.
+
+The training-log lines are Bridge's ``training_log`` (src/megatron/bridge/training/utils/
+train_utils.py), in its order: the ``Step Time`` line, then the iteration line it measures, then,
+on the first logging steps only, the memory report. Checkpoint and timer lines follow
+Megatron-LM's ``checkpointing.py``/``timers.py``. Keep the formats byte-for-byte. Every function
+returns the text; ``emit`` prints and flushes (Slurm buffers otherwise).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from datetime import datetime
 
 
 def emit(text: str) -> None:
@@ -29,7 +34,9 @@ def iteration_line(
     nan: int,
     loss_scale: float = 1.0,
 ) -> str:
-    text = f" iteration {iteration:8d}/{train_iters:8d} |"
+    # Bridge starts the line with the wall-clock time (Megatron-LM adds microseconds).
+    text = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+    text += f" iteration {iteration:8d}/{train_iters:8d} |"
     text += f" consumed samples: {consumed_samples:12d} |"
     text += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     text += f" learning rate: {learning_rate:.6E} |"
@@ -59,9 +66,27 @@ def framed(text: str) -> str:
 
 
 def throughput_line(step_seconds: float, model_tflops: float) -> str:
-    # Megatron Bridge's per-step throughput line; on CPU the "GPU" is the process, and a tiny
-    # model needs more decimals than Bridge's .1f to show anything.
+    # Bridge's, printed BEFORE the iteration line of the same logging interval. On CPU the "GPU"
+    # is the process, and a tiny model needs more decimals than Bridge's .1f to show anything:
+    # the value's precision is the one difference, the shape is Bridge's.
     return f"Step Time : {step_seconds:.2f}s GPU utilization: {model_tflops:.6f}MODEL_TFLOP/s/GPU"
+
+
+def gigabytes(n_bytes: float) -> float:
+    """Bridge's ``report_memory`` conversion: bytes / 1e9, rounded to 5 significant digits."""
+    value = n_bytes / 1.0e9
+    if value != 0:
+        value = round(value, -int(math.floor(math.log10(abs(value)))) + 4)
+    return value
+
+
+def memory_line(rank: int, iteration: int, report: dict[str, float | int]) -> str:
+    # Bridge's memory report: "*-gigabytes" values in GB, allocator counters as plain counts,
+    # each printed as Python prints it (no format spec).
+    text = f"(after {iteration} iterations) memory (GB)"
+    for metric, value in report.items():
+        text += f" | {metric}: {value}"
+    return f"[Rank {rank}] {text}"
 
 
 def timer_lines(name: str, milliseconds: float) -> str:

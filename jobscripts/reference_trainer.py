@@ -53,6 +53,7 @@ from jobscripts import megatron_log as mlog
 from jobscripts.results import write_json_atomic
 from jobscripts.trainer_config import TrainerConfig, load_config
 from jobscripts.trainer_data import build_datasets, get_batch, load_tokenizer
+from jobscripts.trainer_memory import memory_report
 from jobscripts.trainer_state import (
     build_model,
     load_state,
@@ -60,8 +61,8 @@ from jobscripts.trainer_state import (
     model_flops_per_token,
     write_state,
 )
+from jobscripts.vocabulary import COMPLETED, FAILED, SIGNAL, TIME_LIMIT
 
-COMPLETED, TIME_LIMIT, SIGNAL, FAILED = "completed", "time_limit", "signal", "failed"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -210,7 +211,8 @@ def train(config: TrainerConfig, result: dict, stop: StopRequest, started: float
     decision = None  # a signal during start-up, or a finished run, stops before any step
     if stop.signal_name or iteration >= config.train_iters:
         decision = stop_reason(config, stop, iteration, started)
-    saved_at = iteration
+    saved_at = loaded_iteration = iteration
+    report_memory_flag = True  # Bridge's: the first logging steps report memory
     while decision is None:
         step_started = time.perf_counter()
         lr = lr_at(iteration + 1, config)
@@ -234,11 +236,16 @@ def train(config: TrainerConfig, result: dict, stop: StopRequest, started: float
         if iteration % config.log_interval == 0:
             steps = config.log_interval
             mean_loss = window["loss"] / window["losses"] if window["losses"] else None
+            step_time = window["seconds"] / steps
+            # Bridge's training_log order: throughput, the iteration line, the memory report.
+            mlog.emit(mlog.throughput_line(step_time, flops_per_iteration / step_time / 1e12))
             mlog.emit(mlog.iteration_line(
                 iteration, config.train_iters, consumed, window["seconds"] * 1000 / steps, lr,
                 config.global_batch_size, mean_loss, grad_norm, window["skipped"], window["nan"]))
-            step_time = window["seconds"] / steps
-            mlog.emit(mlog.throughput_line(step_time, flops_per_iteration / step_time / 1e12))
+            if report_memory_flag:
+                mlog.emit(mlog.memory_line(0, iteration, memory_report()))
+                # As Bridge: once past the iteration after the resume, optimizer state included.
+                report_memory_flag = iteration <= loaded_iteration + 1
             window = dict.fromkeys(window, 0)
         if config.eval_interval and iteration % config.eval_interval == 0:
             val_loss = evaluate(model, valid_data, config)

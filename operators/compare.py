@@ -27,9 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from operators.campaign.logparse import LM_LOSS, VAL_LM_LOSS
-from operators.tracking.metrics import TOKENS_CONSUMED
-from operators.tracking.registry import EVAL_METRICS
+from jobscripts.vocabulary import EVAL_METRICS, LM_LOSS, TOKENS_CONSUMED, VAL_LM_LOSS
 from operators.tracking.runs import PARENT_TAG
 
 HELP = "plot loss vs tokens for an experiment's campaigns and tabulate final metrics"

@@ -138,6 +138,7 @@ def _segment_files(files: Mapping[str, str]) -> dict[str, str]:
 def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, Any],
                   files: dict[str, str]) -> None:
     """Metrics, accounting and artifacts of one finished segment."""
+    from jobscripts import vocabulary
     from operators.campaign import logparse
 
     tracker = open_tracker(campaign)
@@ -156,7 +157,7 @@ def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, An
     for run_id in (child, parent):
         tracker.log_metrics(run_id, records, seq_length=t.seq_length,
                             global_batch_size=t.global_batch_size, timestamp_ms=stamp)
-    fallbacks = [r.detail["reason"] for r in records if r.kind == logparse.CHECKPOINT_FALLBACK]
+    fallbacks = [r.detail["reason"] for r in records if r.kind == vocabulary.CHECKPOINT_FALLBACK]
     if fallbacks:  # the trainer said so in the log; the run says so too
         from operators.tracking.artifacts import CHECKPOINT_FALLBACK
 

@@ -2,40 +2,40 @@
 MLflow ``Metric`` entities sent with ``log_batch``, 1,000 per call, never one call per value
 (DESIGN.md §4: ~128 values/s one by one, ~9,100/s in batches).
 
-Metric names are logparse's (its module is the one definition); this adds only
-``tokens_consumed``, the x-axis people compare pre-training runs on. mlflow is imported inside
-the two functions that need it.
+Records and metric names are jobscripts/vocabulary.py's (the one definition, which the log
+parser uses too); this adds only ``tokens_consumed``, the x-axis people compare pre-training
+runs on. mlflow is imported inside the two functions that need it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from operators.campaign import logparse
+from jobscripts import vocabulary as v
+from jobscripts.vocabulary import TOKENS_CONSUMED, Record
 from operators.tracking.limits import MAX_METRICS_PER_BATCH, chunks
 
-TOKENS_CONSUMED = "tokens_consumed"
 # The same number on every iteration line: it is the config param training.train_iters.
-_CONSTANT = {logparse.TRAIN_ITERS}
+_CONSTANT = {v.TRAIN_ITERS}
 
 Point = tuple[str, float, int]  # (name, value, step = iteration)
 
 
-def tokens_consumed(record: logparse.Record, seq_length: int,
+def tokens_consumed(record: Record, seq_length: int,
                     global_batch_size: int | None = None) -> float | None:
     """Tokens seen up to this iteration: consumed samples x sequence length when the line says
     how many samples (right under batch-size ramp-up too), else iteration x global batch x seq
     length."""
-    samples = record.metrics.get(logparse.CONSUMED_SAMPLES)
+    samples = record.metrics.get(v.CONSUMED_SAMPLES)
     if samples is None:
-        batch = record.metrics.get(logparse.GLOBAL_BATCH_SIZE, global_batch_size)
+        batch = record.metrics.get(v.GLOBAL_BATCH_SIZE, global_batch_size)
         if batch is None or record.iteration is None:
             return None
         samples = record.iteration * batch
     return float(samples) * seq_length
 
 
-def points(records: Iterable[logparse.Record], seq_length: int,
+def points(records: Iterable[Record], seq_length: int,
            global_batch_size: int | None = None) -> list[Point]:
     """One value per (name, step), in first-seen order.
 
@@ -51,10 +51,10 @@ def points(records: Iterable[logparse.Record], seq_length: int,
         for name, value in record.metrics.items():
             if name in _CONSTANT:
                 continue
-            if record.kind == logparse.MEMORY and (name, step) in found:
+            if record.kind == v.MEMORY and (name, step) in found:
                 value = max(value, found[(name, step)])
             found[(name, step)] = value
-        if record.kind == logparse.TRAIN:
+        if record.kind == v.TRAIN:
             tokens = tokens_consumed(record, seq_length, global_batch_size)
             if tokens is not None:
                 found[(TOKENS_CONSUMED, step)] = tokens

@@ -34,18 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from jobscripts.vocabulary import EVAL_METRICS
 from operators.tracking.names import EXPORT_KIND, KIND_TAG, UPLOADED_TAG
 from operators.tracking.runs import _quoted, child_run, finish_run
 
 CANDIDATE_ALIAS = "candidate"
 ARTIFACT_PATH = "model"
-# eval.json key (jobscripts/evaluate.py) -> MLflow metric name on the campaign's run.
-EVAL_METRICS = {
-    "perplexity": "eval_perplexity",
-    "bits_per_byte": "eval_bits_per_byte",
-    "nll_per_token": "eval_nll_per_token",
-    "tokens_evaluated": "eval_tokens",
-}
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from jobscripts import vocabulary
 from operators.campaign import logparse
 from tests.support import cluster
 from tests.support.airflow import Standalone, airflow_env
@@ -218,7 +219,7 @@ def test_requeued_segment_continues_under_the_same_job(story) -> None:
 def test_missing_checkpoint_falls_back_and_says_so(story, tracking) -> None:
     log = Path(story.requeued["log_path"]).read_text()
     fallbacks = [r for r in logparse.parse_lines(log.splitlines())
-                 if r.kind == logparse.CHECKPOINT_FALLBACK]
+                 if r.kind == vocabulary.CHECKPOINT_FALLBACK]
     assert fallbacks and "25" in fallbacks[0].detail["reason"], log[:3000]
     _, _, children = tracking
     run = [c for c in children if c.data.tags.get("slurm.job_id") == story.requeued["job_id"]]
@@ -338,7 +339,7 @@ def test_one_parent_run_continued_by_every_dag_run(story, tracking) -> None:
 
 def test_metrics_continuous_across_segments_and_the_outage(story, tracking) -> None:
     client, parents, children = tracking
-    history = client.get_metric_history(parents[0].info.run_id, logparse.LM_LOSS)
+    history = client.get_metric_history(parents[0].info.run_id, vocabulary.LM_LOSS)
     steps = sorted(m.step for m in history)
     assert steps == list(range(1, TRAIN_ITERS + 1))  # segment 2's arrived after the outage
     tokens = client.get_metric_history(parents[0].info.run_id, "tokens_consumed")

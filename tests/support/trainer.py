@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobscripts import vocabulary
 from operators.campaign import logparse
 
 
@@ -19,7 +20,7 @@ class Run:
     segment: dict
     save: Path
 
-    def records(self) -> list[logparse.Record]:
+    def records(self) -> list[vocabulary.Record]:
         return list(logparse.parse_lines(self.log.splitlines()))
 
 
@@ -40,8 +41,8 @@ def losses(log: str, allow_repeats: bool = False) -> dict[int, float]:
     """Per-iteration lm loss; an iteration logged twice fails the test that asks."""
     found: dict[int, float] = {}
     for record in logparse.parse_lines(log.splitlines()):
-        if record.kind == logparse.TRAIN:
+        if record.kind == vocabulary.TRAIN:
             repeated = record.iteration in found and not allow_repeats
             assert not repeated, f"iteration {record.iteration} trained twice"
-            found[record.iteration] = record.metrics[logparse.LM_LOSS]
+            found[record.iteration] = record.metrics[vocabulary.LM_LOSS]
     return found

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from jobscripts import vocabulary
 from operators.campaign import logparse
 from operators.tracking import runs
 from operators.tracking.client import make_client
@@ -26,7 +27,7 @@ from tests.tracking.logs import SEQ_LENGTH, VALUES_PER_ITERATION, segment_log
 TOTAL = 300
 
 
-def segment(first: int, last: int) -> list[logparse.Record]:
+def segment(first: int, last: int) -> list[vocabulary.Record]:
     return list(logparse.parse_lines(segment_log(first, last, TOTAL)))
 
 
@@ -74,7 +75,7 @@ def test_mlflow_down_then_back(experiment, tmp_path, mlflow_server, proxy):
     (replay.dir / "files").symlink_to(spool_dir / "files", target_is_directory=True)
     Tracker(client, replay.dir).flush()
 
-    loss = client.get_metric_history(parent, logparse.LM_LOSS)
+    loss = client.get_metric_history(parent, vocabulary.LM_LOSS)
     assert sorted(m.step for m in loss) == list(range(1, TOTAL + 1))  # continuous, no repeats
     history = client.get_metric_history(parent, "tokens_consumed")
     assert len(history) == TOTAL

@@ -7,6 +7,7 @@ import os
 import pytest
 import requests
 
+from jobscripts import vocabulary
 from operators.campaign import logparse
 from operators.slurm.parse import JobRecord
 from operators.tracking import artifacts, params, runs
@@ -79,7 +80,7 @@ def test_metrics_continuous_across_segments_in_batches(client, experiment, tmp_p
     records = list(logparse.parse_lines(segment_log(1, 150, total)))
     tracker.log_metrics(parent, records, seq_length=SEQ_LENGTH, timestamp_ms=1_700_000_000_000)
 
-    loss = client.get_metric_history(parent, logparse.LM_LOSS)
+    loss = client.get_metric_history(parent, vocabulary.LM_LOSS)
     assert sorted(m.step for m in loss) == list(range(1, total + 1))  # continuous, no repeats
     tokens = {m.step: m.value for m in client.get_metric_history(parent, "tokens_consumed")}
     assert tokens[total] == total * GLOBAL_BATCH * SEQ_LENGTH

@@ -1,11 +1,13 @@
-"""operators/campaign/logparse.py on Megatron/Bridge lines (DESIGN.md §4) and on the reference
-trainer's formatter (jobscripts/megatron_log.py), with the prefixes srun/torchrun add."""
+"""operators/campaign/logparse.py on Megatron-LM/Bridge lines and on the reference trainer's
+formatter (jobscripts/megatron_log.py), with the prefixes srun/torchrun add. A whole Bridge log
+excerpt, and the reference trainer's own log, are in test_bridge_log.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from jobscripts import megatron_log as mlog
+from jobscripts import vocabulary as v
 from operators.campaign import logparse as lp
 
 # The reference workflow's iteration 10 (lm loss and grad norm as it logged them).
@@ -32,50 +34,61 @@ MEMORY = (
     "[Rank 0] (after 10 iterations) memory (MB) | allocated: 20480.5 | max allocated: 60123.0"
     " | reserved: 65000.0 | max reserved: 65000.0"
 )
+# Megatron Bridge's report_memory line with its default MEMORY_KEYS (see test_bridge_log.py).
+BRIDGE_MEMORY = (
+    "[Rank 3] (after 10 iterations) memory (GB) | mem-allocated-gigabytes: 20.48 |"
+    " mem-active-gigabytes: 20.48 | mem-inactive-gigabytes: 0.51324 | mem-reserved-gigabytes:"
+    " 65.011 | mem-max-allocated-gigabytes: 60.123 | mem-max-active-gigabytes: 60.123 |"
+    " mem-max-inactive-gigabytes: 2.1475 | mem-max-reserved-gigabytes: 65.011 |"
+    " mem-alloc-retires: 0 | mem-allocated-count: 1234"
+)
 
 PREFIXES = ["", "0: ", "[default0]:", "[rank3]: ", "2025-06-12T14:03:27.123456Z 7: "]
 
 CASES = [  # (line, kind, iteration, metrics that must be there, detail that must be there)
-    (REFERENCE_ITER_10, lp.TRAIN, 10,
-     {lp.LM_LOSS: 15.80069, lp.GRAD_NORM: 37.247, lp.TRAIN_ITERS: 100, lp.CONSUMED_SAMPLES: 640,
-      lp.ELAPSED_MS: 11402.3, lp.LEARNING_RATE: 1.5e-05, lp.GLOBAL_BATCH_SIZE: 64,
-      lp.LOSS_SCALE: 1.0, lp.SKIPPED_ITERATIONS: 0, lp.NAN_ITERATIONS: 0}, {}),
-    (WITH_TFLOPS, lp.TRAIN, 20,
-     {lp.THROUGHPUT_TFLOPS: 591.7, lp.LM_LOSS: 11.23456, "params_norm": 301.25}, {}),
+    (REFERENCE_ITER_10, v.TRAIN, 10,
+     {v.LM_LOSS: 15.80069, v.GRAD_NORM: 37.247, v.TRAIN_ITERS: 100, v.CONSUMED_SAMPLES: 640,
+      v.ELAPSED_MS: 11402.3, v.LEARNING_RATE: 1.5e-05, v.GLOBAL_BATCH_SIZE: 64,
+      v.LOSS_SCALE: 1.0, v.SKIPPED_ITERATIONS: 0, v.NAN_ITERATIONS: 0}, {}),
+    (WITH_TFLOPS, v.TRAIN, 20,
+     {v.THROUGHPUT_TFLOPS: 591.7, v.LM_LOSS: 11.23456, "params_norm": 301.25}, {}),
     (" validation loss at iteration 10 | lm loss value: 9.876543E+00 |"
      " lm loss PPL: 1.953721E+04 | ",
-     lp.VALIDATION, 10, {lp.VAL_LM_LOSS: 9.876543, lp.VAL_LM_LOSS_PPL: 19537.21},
+     v.VALIDATION, 10, {v.VAL_LM_LOSS: 9.876543, v.VAL_LM_LOSS_PPL: 19537.21},
      {"split": "validation"}),
     (" validation loss at iteration 100 on test set | lm loss value: 2.5E+00 |"
      " lm loss PPL: 1.2E+01 | ",
-     lp.VALIDATION, 100, {"test_lm_loss": 2.5, "test_lm_loss_ppl": 12.0}, {"split": "test"}),
-    ("Step Time : 11.40s GPU utilization: 591.7MODEL_TFLOP/s/GPU", lp.THROUGHPUT, None,
-     {lp.STEP_TIME_S: 11.40, lp.MODEL_TFLOPS_PER_GPU: 591.7}, {}),
-    (MEMORY, lp.MEMORY, 10,
-     {lp.MEM_ALLOCATED_MB: 20480.5, lp.MEM_MAX_ALLOCATED_MB: 60123.0,
-      lp.MEM_RESERVED_MB: 65000.0, lp.MEM_MAX_RESERVED_MB: 65000.0}, {"rank": "0"}),
-    (SAVED, lp.CHECKPOINT_SAVE, 50, {}, {"path": "/ckpt/l8b"}),
-    (LOADED, lp.CHECKPOINT_LOAD, 50, {}, {"path": "/ckpt/l8b"}),
-    ("    save-checkpoint ................................: (18237.01, 18237.08)", lp.TIMER,
-     None, {lp.SAVE_CHECKPOINT_MS: 18237.08}, {}),
-    ("[exiting program after 229.51 minutes] datetime: 2025-06-12 18:00:00 ", lp.EXIT, None, {},
-     {"reason": lp.EXIT_TIME_LIMIT}),
-    ("[exiting program after receiving SIGTERM.] datetime: 2025-06-12 18:00:00 ", lp.EXIT, None,
-     {}, {"reason": lp.EXIT_SIGNAL}),
-    ("[exiting program at iteration 40] datetime: 2025-06-12 18:00:00 ", lp.EXIT, 40, {},
-     {"reason": lp.EXIT_INTERVAL}),
-    ("[after training is done] datetime: 2025-06-12 18:00:00 ", lp.EXIT, None, {},
-     {"reason": lp.EXIT_COMPLETED}),
+     v.VALIDATION, 100, {"test_lm_loss": 2.5, "test_lm_loss_ppl": 12.0}, {"split": "test"}),
+    ("Step Time : 11.40s GPU utilization: 591.7MODEL_TFLOP/s/GPU", v.THROUGHPUT, None,
+     {v.STEP_TIME_S: 11.40, v.MODEL_TFLOPS_PER_GPU: 591.7}, {}),
+    (MEMORY, v.MEMORY, 10,
+     {v.MEM_ALLOCATED_MB: 20480.5, v.MEM_MAX_ALLOCATED_MB: 60123.0,
+      v.MEM_RESERVED_MB: 65000.0, v.MEM_MAX_RESERVED_MB: 65000.0}, {"rank": "0"}),
+    (BRIDGE_MEMORY, v.MEMORY, 10,
+     {v.MEM_ALLOCATED_GB: 20.48, v.MEM_MAX_ALLOCATED_GB: 60.123, v.MEM_RESERVED_GB: 65.011,
+      v.MEM_ALLOC_RETRY_COUNT: 0, v.MEM_ALLOCATION_COUNT: 1234}, {"rank": "3"}),
+    (SAVED, v.CHECKPOINT_SAVE, 50, {}, {"path": "/ckpt/l8b"}),
+    (LOADED, v.CHECKPOINT_LOAD, 50, {}, {"path": "/ckpt/l8b"}),
+    ("    save-checkpoint ................................: (18237.01, 18237.08)", v.TIMER,
+     None, {v.SAVE_CHECKPOINT_MS: 18237.08}, {}),
+    ("[exiting program after 229.51 minutes] datetime: 2025-06-12 18:00:00 ", v.EXIT, None, {},
+     {"reason": v.TIME_LIMIT}),
+    ("[exiting program after receiving SIGTERM.] datetime: 2025-06-12 18:00:00 ", v.EXIT, None,
+     {}, {"reason": v.SIGNAL}),
+    ("[exiting program at iteration 40] datetime: 2025-06-12 18:00:00 ", v.EXIT, 40, {},
+     {"reason": v.EXIT_INTERVAL}),
+    ("[after training is done] datetime: 2025-06-12 18:00:00 ", v.EXIT, None, {},
+     {"reason": v.COMPLETED}),
     ("slurmstepd: error: *** JOB 1234 ON nid001 CANCELLED AT 2025-06-12T18:00:31 DUE TO TIME"
-     " LIMIT ***", lp.EXIT, None, {}, {"reason": lp.EXIT_SLURM_TIME_LIMIT, "job": "1234"}),
+     " LIMIT ***", v.EXIT, None, {}, {"reason": v.EXIT_SLURM_TIME_LIMIT, "job": "1234"}),
     ("slurmstepd: error: *** STEP 1234.0 ON nid001 CANCELLED AT 2025-06-12T18:00:31 ***",
-     lp.EXIT, None, {}, {"reason": lp.EXIT_CANCELLED, "job": "1234.0"}),
+     v.EXIT, None, {}, {"reason": v.EXIT_CANCELLED, "job": "1234.0"}),
     ("slurmstepd: error: *** JOB 99 ON nid002 CANCELLED AT 2025-06-12T18:00:31 DUE TO"
-     " PREEMPTION ***", lp.EXIT, None, {}, {"reason": lp.EXIT_PREEMPTED}),
-    ("srun: error: nid001: task 3: Exited with exit code 1", lp.EXIT, None, {},
-     {"reason": lp.EXIT_FAILED}),
-    ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", lp.EXIT, None, {},
-     {"reason": lp.EXIT_FAILED}),
+     " PREEMPTION ***", v.EXIT, None, {}, {"reason": v.EXIT_PREEMPTED}),
+    ("srun: error: nid001: task 3: Exited with exit code 1", v.EXIT, None, {},
+     {"reason": v.FAILED}),
+    ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", v.EXIT, None, {},
+     {"reason": v.FAILED}),
 ]
 
 
@@ -93,8 +106,8 @@ def test_megatron_lines(prefix, line, kind, iteration, metrics, detail):
 
 def test_nan_iteration_has_no_loss_but_counts():
     record = lp.parse_line("0: " + NAN_ITERATION)
-    assert lp.LM_LOSS not in record.metrics and lp.GRAD_NORM not in record.metrics
-    assert record.metrics[lp.NAN_ITERATIONS] == 1 and record.metrics[lp.SKIPPED_ITERATIONS] == 1
+    assert v.LM_LOSS not in record.metrics and v.GRAD_NORM not in record.metrics
+    assert record.metrics[v.NAN_ITERATIONS] == 1 and record.metrics[v.SKIPPED_ITERATIONS] == 1
 
 
 @pytest.mark.parametrize("line", [
@@ -111,36 +124,51 @@ def test_lines_without_records(line):
 
 
 def test_stream_fills_in_iterations_and_metric_points():
-    lines = [
-        "0: " + REFERENCE_ITER_10,
+    lines = [  # Bridge's order: the Step Time line comes before the iteration line it measures
         "0: Step Time : 11.40s GPU utilization: 591.7MODEL_TFLOP/s/GPU",
+        "0: " + REFERENCE_ITER_10,
         "0: saving checkpoint at iteration      10 to /ckpt in torch_dist format",
         "0:   successfully saved checkpoint from iteration      10 to /ckpt [ t 1/1, p 1/1 ]",
         "0: (min, max) time across ranks (ms):",
         "0:     save-checkpoint ................................: (100.00, 120.50)",
     ]
     records = list(lp.parse_lines(lines))
-    assert [r.kind for r in records] == [lp.TRAIN, lp.THROUGHPUT, lp.CHECKPOINT_SAVE, lp.TIMER]
+    assert [r.kind for r in records] == [v.THROUGHPUT, v.TRAIN, v.CHECKPOINT_SAVE, v.TIMER]
     assert [r.iteration for r in records] == [10, 10, 10, 10]
     points = lp.metric_points(records)
-    assert (lp.LM_LOSS, 15.80069, 10) in points
-    assert (lp.SAVE_CHECKPOINT_MS, 120.5, 10) in points
-    assert (lp.STEP_TIME_S, 11.4, 10) in points
+    assert (v.LM_LOSS, 15.80069, 10) in points
+    assert (v.SAVE_CHECKPOINT_MS, 120.5, 10) in points
+    assert (v.STEP_TIME_S, 11.4, 10) in points
+
+
+def test_throughput_without_its_iteration_line_gets_no_iteration():
+    # The job died between the two prints, or two Step Time lines came in a row: neither is
+    # given an iteration it did not measure.
+    step = "Step Time : 11.40s GPU utilization: 591.7MODEL_TFLOP/s/GPU"
+    records = list(lp.parse_lines([step, step.replace("11.40", "11.50"), REFERENCE_ITER_10, step]))
+    assert [(r.kind, r.iteration) for r in records] == [
+        (v.THROUGHPUT, None), (v.THROUGHPUT, 10), (v.TRAIN, 10), (v.THROUGHPUT, None)]
+    assert records[1].metrics[v.STEP_TIME_S] == 11.5
 
 
 def test_reference_trainer_formats_round_trip():
     """Every line the reference trainer prints parses back to what it printed."""
     train = lp.parse_line("[default0]:" + mlog.iteration_line(
         7, 12, 56, 31.25, 2.5e-3, 8, 4.5, 1.25, 0, 0))
-    assert train.iteration == 7 and train.metrics[lp.LM_LOSS] == 4.5
-    assert train.metrics[lp.ELAPSED_MS] == pytest.approx(31.2, abs=0.06)
+    assert train.iteration == 7 and train.metrics[v.LM_LOSS] == 4.5
+    assert train.metrics[v.ELAPSED_MS] == pytest.approx(31.2, abs=0.06)
     nan = lp.parse_line(mlog.iteration_line(8, 12, 64, 30.0, 2.5e-3, 8, None, None, 1, 1))
-    assert lp.LM_LOSS not in nan.metrics and nan.metrics[lp.NAN_ITERATIONS] == 1
+    assert v.LM_LOSS not in nan.metrics and nan.metrics[v.NAN_ITERATIONS] == 1
     framed = mlog.framed(mlog.validation_line(8, 4.25)).splitlines()
     assert [lp.parse_line(line) is None for line in framed] == [True, False, True]
-    assert lp.parse_line(framed[1]).metrics[lp.VAL_LM_LOSS] == 4.25
+    assert lp.parse_line(framed[1]).metrics[v.VAL_LM_LOSS] == 4.25
     step = lp.parse_line(mlog.throughput_line(0.031, 0.000123))
-    assert step.metrics[lp.MODEL_TFLOPS_PER_GPU] == pytest.approx(0.000123)
+    assert step.metrics[v.MODEL_TFLOPS_PER_GPU] == pytest.approx(0.000123)
+    assert mlog.gigabytes(1_234_567_890) == 1.2346  # Bridge: bytes / 1e9, 5 significant digits
+    memory = lp.parse_line(mlog.memory_line(0, 2, {
+        "mem-allocated-gigabytes": mlog.gigabytes(1_234_567_890), "mem-allocated-count": 7}))
+    assert (memory.kind, memory.iteration) == (v.MEMORY, 2)
+    assert memory.metrics == {v.MEM_ALLOCATED_GB: 1.2346, v.MEM_ALLOCATION_COUNT: 7}
     records = list(lp.parse_lines([
         mlog.saving_line(8, "/ckpt"), mlog.saved_line(8, "/ckpt"),
         *mlog.timer_lines("save-checkpoint", 12.5).splitlines(),
@@ -148,15 +176,15 @@ def test_reference_trainer_formats_round_trip():
         mlog.loaded_line("/ckpt", 8),
     ]))
     assert [(r.kind, r.iteration) for r in records] == [
-        (lp.CHECKPOINT_SAVE, 8), (lp.TIMER, 8), (lp.CHECKPOINT_FALLBACK, None),
-        (lp.CHECKPOINT_LOAD, 8)]
-    assert records[1].metrics[lp.SAVE_CHECKPOINT_MS] == 12.5
+        (v.CHECKPOINT_SAVE, 8), (v.TIMER, 8), (v.CHECKPOINT_FALLBACK, None),
+        (v.CHECKPOINT_LOAD, 8)]
+    assert records[1].metrics[v.SAVE_CHECKPOINT_MS] == 12.5
     exits = {
-        mlog.datetime_line(mlog.exit_duration_event(0.5)): lp.EXIT_TIME_LIMIT,
-        mlog.datetime_line(mlog.exit_interval_event(4)): lp.EXIT_INTERVAL,
-        mlog.datetime_line(mlog.exit_signal_event("SIGUSR1")): lp.EXIT_SIGNAL,
-        mlog.datetime_line(mlog.COMPLETED_EVENT): lp.EXIT_COMPLETED,
-        mlog.failed_line(3, "RuntimeError('boom')"): lp.EXIT_FAILED,
+        mlog.datetime_line(mlog.exit_duration_event(0.5)): v.TIME_LIMIT,
+        mlog.datetime_line(mlog.exit_interval_event(4)): v.EXIT_INTERVAL,
+        mlog.datetime_line(mlog.exit_signal_event("SIGUSR1")): v.SIGNAL,
+        mlog.datetime_line(mlog.COMPLETED_EVENT): v.COMPLETED,
+        mlog.failed_line(3, "RuntimeError('boom')"): v.FAILED,
     }
     for line, reason in exits.items():
         assert lp.parse_line(line).detail["reason"] == reason, line

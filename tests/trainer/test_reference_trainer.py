@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobscripts import checkpoints
-from operators.campaign import logparse
+from jobscripts import checkpoints, vocabulary
 from tests.support.trainer import losses, run_trainer
 
 
@@ -27,14 +26,14 @@ def test_loss_falls_and_log_parses(uncut):
     train = losses(uncut.log)
     assert sorted(train) == list(range(1, 13))
     assert train[12] < 0.9 * train[1]
-    assert [r.iteration for r in by_kind[logparse.VALIDATION]] == [4, 8, 12]
-    assert [r.iteration for r in by_kind[logparse.CHECKPOINT_SAVE]] == [4, 8, 12]
-    assert [r.iteration for r in by_kind[logparse.TIMER]] == [4, 8, 12]
-    assert [r.iteration for r in by_kind[logparse.THROUGHPUT]] == list(range(1, 13))
-    assert by_kind[logparse.EXIT][-1].detail["reason"] == logparse.EXIT_COMPLETED
-    last = by_kind[logparse.TRAIN][-1].metrics
-    assert last[logparse.CONSUMED_SAMPLES] == 96 and last[logparse.GLOBAL_BATCH_SIZE] == 8
-    assert last[logparse.SKIPPED_ITERATIONS] == 0 and last[logparse.NAN_ITERATIONS] == 0
+    assert [r.iteration for r in by_kind[vocabulary.VALIDATION]] == [4, 8, 12]
+    assert [r.iteration for r in by_kind[vocabulary.CHECKPOINT_SAVE]] == [4, 8, 12]
+    assert [r.iteration for r in by_kind[vocabulary.TIMER]] == [4, 8, 12]
+    assert [r.iteration for r in by_kind[vocabulary.THROUGHPUT]] == list(range(1, 13))
+    assert by_kind[vocabulary.EXIT][-1].detail["reason"] == vocabulary.COMPLETED
+    last = by_kind[vocabulary.TRAIN][-1].metrics
+    assert last[vocabulary.CONSUMED_SAMPLES] == 96 and last[vocabulary.GLOBAL_BATCH_SIZE] == 8
+    assert last[vocabulary.SKIPPED_ITERATIONS] == 0 and last[vocabulary.NAN_ITERATIONS] == 0
 
 
 def test_segment_json_of_a_whole_run(uncut):
@@ -103,8 +102,8 @@ def test_exit_duration_stops_with_time_limit(tmp_path, config_for):
     assert run.rc == 0
     assert run.segment["stop_reason"] == "time_limit"
     assert run.segment["end_iteration"] == run.segment["checkpoint"]["iteration"] == 1
-    exits = [r for r in run.records() if r.kind == logparse.EXIT]
-    assert exits[-1].detail["reason"] == logparse.EXIT_TIME_LIMIT
+    exits = [r for r in run.records() if r.kind == vocabulary.EXIT]
+    assert exits[-1].detail["reason"] == vocabulary.TIME_LIMIT
 
 
 def test_sigusr1_before_the_first_step_stops_without_training(tmp_path, config_for):
@@ -136,7 +135,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, config_for, uncut):
     reason = run.segment["fallback_reason"]
     assert "iter_0000012/model.safetensors" in reason and "falling back to iteration 8" in reason
     assert run.segment["resumed_from"]["iteration"] == 8
-    fallbacks = [r for r in run.records() if r.kind == logparse.CHECKPOINT_FALLBACK]
+    fallbacks = [r for r in run.records() if r.kind == vocabulary.CHECKPOINT_FALLBACK]
     assert fallbacks and fallbacks[0].detail["reason"] == reason
     assert_same_losses(losses(run.log), losses(uncut.log))
     assert sorted(losses(run.log)) == [9, 10, 11, 12]

@@ -1,6 +1,7 @@
 """``pretrain-pipeline``: the console script (``[project.scripts]`` in pyproject.toml).
 
     pretrain-pipeline compare EXPERIMENT [...]
+    pretrain-pipeline check FILE [...]
 
 Each subcommand is a module named in ``SUBCOMMANDS`` that provides ``HELP`` (one line),
 ``add_arguments(parser)`` and ``run(args) -> int``. Those modules keep heavy imports (mlflow,
@@ -15,6 +16,7 @@ import importlib
 
 SUBCOMMANDS: dict[str, str] = {
     "compare": "operators.compare",
+    "check": "operators.campaign.check",
 }
 
 

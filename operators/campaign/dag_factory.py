@@ -24,7 +24,7 @@ from operators.campaign.paths import RunPaths
 from operators.campaign.segment import TrainingSegmentOperator
 from operators.campaign.stage_operator import CampaignStageOperator
 from operators.campaign.summary import summary
-from operators.slurm.operator import SlurmJobOperator
+from operators.slurm.operator import SlurmJobOperator, as_data
 from operators.tracking.names import conn_dag_tag
 
 START = datetime(2026, 1, 1)
@@ -78,7 +78,15 @@ def _check_data_task(campaign, layout: Layout):
 
 def _stage_job(campaign, task_id: str, kwargs: dict, retry: dict,
                **extra) -> SlurmJobOperator:
-    """A non-training stage's job; with tracking on it also logs its MLflow child run."""
+    """A non-training stage's job; with tracking on it also logs its MLflow child run.
+
+    Its job options and environment are campaign values: data, never templates (as_data).
+    So is its command, unless it holds the project's own template (``templated``).
+    """
+    templated = extra.pop("templated", False)
+    kwargs = {**kwargs, "job": as_data(kwargs.get("job") or {}),
+              "environment": as_data(kwargs.get("environment") or {}),
+              "command": kwargs["command"] if templated else as_data(kwargs["command"])}
     if campaign.tracking.enabled:
         return CampaignStageOperator(task_id=task_id, campaign=campaign, stage=task_id,
                                      **kwargs, **retry, **extra)
@@ -102,7 +110,7 @@ def _data_stage(campaign, layout: Layout, retry: dict):
         ingest_result = posixpath.join(
             '{{ ti.xcom_pull(task_ids="data.ingest")["run_dir"] }}', RESULT_FILE)
         steps.append(job("token_gate", stages.token_gate(campaign, layout, ingest_result),
-                         outlets=[manifest_asset(campaign, layout)]))
+                         outlets=[manifest_asset(campaign, layout)], templated=True))
         chain(*steps)
     return group
 
@@ -181,7 +189,7 @@ def _tracking_tags(campaign) -> list[str]:
     return [conn_dag_tag(campaign.tracking.mlflow_conn_id)] if campaign.tracking.enabled else []
 
 
-def build_dag(campaign, source: Path | None = None) -> DAG:
+def build_dag(campaign, source: Path | None = None, *, auto_register: bool = True) -> DAG:
     layout = Layout(RunPaths.for_campaign(campaign))
     r = campaign.retries
     doc = summary(campaign) + (f"\n\nDefined in `{source.name}`." if source else "")
@@ -190,7 +198,7 @@ def build_dag(campaign, source: Path | None = None) -> DAG:
         max_active_runs=1, params=_params(campaign), doc_md=doc,
         tags=["pretrain", "reference" if campaign.model.reference else "bridge",
               *_tracking_tags(campaign)],
-        description=campaign.description or None,
+        description=campaign.description or None, auto_register=auto_register,
     ) as dag:
         data = _data_stage(campaign, layout, _retry_args(r.data)) if campaign.data.source \
             else None
@@ -209,17 +217,10 @@ def build_dag(campaign, source: Path | None = None) -> DAG:
 
 
 def build_all(campaign_dir: Path, namespace: dict) -> list[DAG]:
-    """One DAG per YAML in ``campaign_dir``, put in ``namespace`` (a DAG file's globals).
-
-    A YAML that does not validate raises, naming its file and field: the DAG file
-    then shows as an import error in the UI, which is where users look.
+    """One DAG per campaign YAML in ``campaign_dir`` that builds, put in ``namespace`` (a DAG
+    file's globals). A campaign that does not build is skipped here and reported by the
+    folder's error DAG file (operators/campaign/folder.py), naming its file, field and line.
     """
-    from operators.campaign.load import load_campaign
+    from operators.campaign.folder import publish
 
-    dags = []
-    for path in sorted(campaign_dir.glob("*.y*ml")):
-        campaign = load_campaign(path)
-        dag = build_dag(campaign, path)
-        namespace[dag.dag_id] = dag
-        dags.append(dag)
-    return dags
+    return publish(campaign_dir, namespace)

@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, literal
 
 from operators.slurm.errors import ClusterUnreachable, SlurmCommandError, SlurmJobFailed
 from operators.slurm.jobkey import job_key
@@ -33,6 +33,29 @@ PYTHON_ENV = "PP_PYTHON"
 LOG_NAME = "slurm-%j.out"
 ARRAY_LOG_NAME = "slurm-%A_%a.out"  # one log per array task
 XCOM_JOB = "slurm_job"
+_LITERAL = type(literal(None))  # airflow.sdk's LiteralValue, without its private module path
+
+
+def as_data(value: Any) -> Any:
+    """``value`` as data Airflow passes on as it is, never renders (``airflow.sdk.literal``).
+
+    For a templated field's values that come from users' files (a campaign's environment,
+    partition, paths): ``'{{ conn.x.password }}'`` there must reach the job as those
+    characters, not as the password. A mapping keeps its keys and wraps each value, so the
+    operator still reads it as a mapping before rendering.
+    """
+    if isinstance(value, Mapping):
+        return {k: literal(v) for k, v in value.items()}
+    return literal(value)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with :func:`as_data` undone: what Airflow's rendering turns it into."""
+    if isinstance(value, _LITERAL):
+        return value.value
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    return value
 
 
 def build_spec(key: str, run_dir: str, command: str, job: Mapping[str, Any],
@@ -115,7 +138,8 @@ class SlurmJobOperator(BaseOperator):
         self._hook = None  # a SlurmHook, made on first use
         if not _templated(self.job, self.environment, self.command):
             # Fail at DAG parse, not on the cluster: validate with a stand-in key.
-            build_spec("pp-parse-check", "/parse-check", self.command, self.job, self.environment)
+            build_spec("pp-parse-check", "/parse-check", plain(self.command), plain(self.job),
+                       plain(self.environment))
 
     @property
     def hook(self):
@@ -294,4 +318,12 @@ class SlurmJobOperator(BaseOperator):
 
 
 def _templated(*values: Any) -> bool:
-    return "{{" in repr(values) or "{%" in repr(values)
+    """Whether Airflow will render Jinja in any of ``values`` (:func:`as_data` ones: never)."""
+    for value in values:
+        if isinstance(value, str) and ("{{" in value or "{%" in value):
+            return True
+        if isinstance(value, Mapping) and _templated(*value.values()):
+            return True
+        if isinstance(value, list | tuple | set) and _templated(*value):
+            return True
+    return False

@@ -78,12 +78,16 @@ def test_invalid_yaml_is_an_import_error_naming_file_and_field(tmp_path, yaml_te
 
     folder = tmp_path / "dags"
     (folder / "campaigns").mkdir(parents=True)
-    shutil.copy(REPO / "dags" / "pretrain_campaigns.py", folder)
+    for dag_file in ("pretrain_campaigns.py", "pretrain_campaign_errors.py"):
+        shutil.copy(REPO / "dags" / dag_file, folder)
     base = yaml.safe_load((REPO / "dags" / "campaigns" / "demo.yaml").read_text())
     for section, values in yaml.safe_load(yaml_text).items():
         base[section] = {**base[section], **values}
+    base["name"] = "broken"
     (folder / "campaigns" / "broken.yaml").write_text(yaml.safe_dump(base))
-    errors = _dagbag(folder).import_errors
-    assert len(errors) == 1
-    message = next(iter(errors.values()))
-    assert "broken.yaml" in message and field in message
+    shutil.copy(REPO / "dags" / "campaigns" / "demo.yaml", folder / "campaigns")
+    bag = _dagbag(folder)
+    assert list(bag.import_errors) == [str(folder / "pretrain_campaign_errors.py")]
+    message = next(iter(bag.import_errors.values()))
+    assert "campaigns/broken.yaml:" in message and field in message
+    assert bag.dag_ids == ["pretrain__demo"]  # the valid campaign beside it stays

@@ -1,0 +1,85 @@
+"""Campaign values are data, never templates (issue 14, point 1): a campaign's environment
+holding Jinja reaches the job literally, under Airflow's own rendering and a real task run,
+and no connection password or Variable is written into the job script."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+import pytest
+
+from tests.dags.campaign_literal import HOSTILE_ENVIRONMENT, ROOT
+from tests.support import cluster
+from tests.support.airflow import AIRFLOW, REPO
+
+DAG_ID = "pretrain__literal_env"
+CONN_PASSWORD = "s3cr3t-conn-pw"  # noqa: S105 - a test value the job must never see
+VARIABLE = "s3cr3t-variable"
+
+
+def _dag():
+    from tests.dags.campaign_literal import dag
+
+    return dag
+
+
+def test_airflow_rendering_leaves_campaign_values_alone() -> None:
+    dag = _dag()
+    for task_id in ("data.demo_corpus", "data.ingest", "export", "evaluate"):
+        task = dag.get_task(task_id)
+        # Airflow's own renderer, as the task runner calls it; {{ 7*7 }} needs no context.
+        task.render_template_fields({"params": {}})
+        assert task.environment == HOSTILE_ENVIRONMENT, task_id
+        assert task.job["partition"] == "debug" and "{{" not in task.command
+
+
+def test_the_project_template_still_renders() -> None:
+    task = _dag().get_task("data.token_gate")
+    assert '{{ ti.xcom_pull(task_ids="data.ingest")["run_dir"] }}' in task.command
+    task.render_template_fields({"ti": _Ti(), "params": {}})
+    assert "/runs/ingest-1/result.json" in task.command
+    assert task.environment == HOSTILE_ENVIRONMENT
+
+
+class _Ti:
+    """What the token gate's own template reads: the ingest task's XCom."""
+
+    def xcom_pull(self, task_ids: str) -> dict:
+        return {"run_dir": "/runs/ingest-1"} if task_ids == "data.ingest" else {}
+
+
+def test_parse_time_check_still_runs_on_jinja_values() -> None:
+    from operators.slurm.operator import SlurmJobOperator, as_data
+    from operators.slurm.spec import JobSpecError
+
+    with pytest.raises(JobSpecError, match="partition"):
+        SlurmJobOperator(task_id="t", ssh_conn_id="c", command=as_data("true"),
+                         job=as_data({"partition": "{{ x }} bad"}),
+                         environment=as_data({"A": "{{ 7*7 }}"}))
+
+
+def _scripts() -> str:
+    """Every job script this DAG's demo_corpus task wrote on the cluster."""
+    return cluster.remote(
+        f"grep -l -s -- '{ROOT}/literal_env' ~/pp-runs/pp-demo_corpus-*/job.sbatch "
+        "| xargs -r cat")
+
+
+@pytest.mark.airflow
+def test_a_real_task_run_writes_the_literal_text(dags_test_env) -> None:
+    cluster.remote(f"grep -l -s -- '{ROOT}/literal_env' ~/pp-runs/pp-demo_corpus-*/job.sbatch "
+                   "| xargs -r -n1 dirname | xargs -r rm -rf; rm -rf " + ROOT)
+    env = {**dags_test_env,
+           "AIRFLOW_CONN_PP_LITERAL_CONN": '{"conn_type": "http", "host": "h", '
+                                           f'"password": "{CONN_PASSWORD}"}}',
+           "AIRFLOW_VAR_PP_LITERAL_VAR": VARIABLE}
+    proc = subprocess.run([AIRFLOW, "tasks", "test", DAG_ID, "data.demo_corpus"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ended COMPLETED" in out, out[-4000:]
+    script = _scripts()
+    for key, value in HOSTILE_ENVIRONMENT.items():
+        assert f"export {key}={shlex.quote(value)}\n" in script, (key, script)
+    assert CONN_PASSWORD not in script and VARIABLE not in script
+    assert "export NCCL_DEBUG=49" not in script and "$(id)" not in script

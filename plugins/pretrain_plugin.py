@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from operators.slurm.links import MlflowRunLink, SlurmJobLink, SlurmLogLink
+from operators.slurm.links import SlurmJobLink, SlurmLogLink
+from operators.tracking.links import MlflowRunLink
 from plugins.listener import CampaignRunListener
 
 

@@ -26,9 +26,9 @@ from operators.campaign.remote import (
     read_text,
     write_file,
 )
-from operators.slurm.links import MlflowRunLink
 from operators.slurm.operator import SlurmJobOperator
 from operators.slurm.states import Outcome
+from operators.tracking.links import MlflowRunLink
 
 XCOM_START = "segment_start_iteration"
 

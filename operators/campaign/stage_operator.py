@@ -26,10 +26,10 @@ from typing import Any, NamedTuple
 from operators.campaign.layout import Layout
 from operators.campaign.paths import RunPaths
 from operators.slurm.errors import SlurmJobFailed
-from operators.slurm.links import MlflowRunLink
 from operators.slurm.operator import XCOM_JOB, SlurmJobOperator
 from operators.slurm.trigger import success_summary
 from operators.tracking.artifacts import CONFIGS, DATA, EVAL, REPORTS
+from operators.tracking.links import MlflowRunLink
 
 RESULTS = "results"  # the result JSON of a stage that is neither a gate nor an evaluation
 # Only the pages and their styles: GX's fonts and images are 4 MB of every Data Docs site.

@@ -80,7 +80,7 @@ def _log_files(tracker, run_id: str | None, files: Mapping[str, bytes | str]) ->
 
 def _link_run(tracker, ti, run_id: str | None) -> None:
     """The task's "MLflow run" extra link."""
-    from operators.slurm.links import MlflowRunLink, mlflow_run_url
+    from operators.tracking.links import MlflowRunLink, mlflow_run_url
 
     real = tracker.resolve(run_id)
     if real:

@@ -1,4 +1,5 @@
-"""Extra links on Slurm task instances: the job, and its log.
+"""Extra links on Slurm task instances: the job, and its log (tracking/links.py adds the
+MLflow run's on the same base).
 
 Airflow 3 shows a link by reading the XCom stored under the link's
 ``xcom_key``; the operator pushes the full URL there before it defers, so the
@@ -24,7 +25,9 @@ def log_url(settings, job_id: str, path: str) -> str:
     return f"sftp://{settings.user}@{settings.host}{path}"
 
 
-class _XComLink(BaseOperatorLink):
+class XComLink(BaseOperatorLink):
+    """A link whose URL the task pushed to XCom under the link's ``xcom_key``."""
+
     def get_link(self, operator, *, ti_key) -> str:
         from airflow.sdk.bases.xcom import BaseXCom
 
@@ -34,17 +37,9 @@ class _XComLink(BaseOperatorLink):
             return ""
 
 
-class SlurmJobLink(_XComLink):
+class SlurmJobLink(XComLink):
     name = "Slurm job"
 
 
-class SlurmLogLink(_XComLink):
+class SlurmLogLink(XComLink):
     name = "Slurm log"
-
-
-class MlflowRunLink(_XComLink):
-    name = "MLflow run"
-
-
-def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"

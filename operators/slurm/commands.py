@@ -11,9 +11,17 @@ import posixpath
 import shlex
 from collections.abc import Iterable
 
+from operators.slurm.errors import SlurmCommandError
 from operators.slurm.parse import SACCT_FIELDS, SQUEUE_FORMAT
 
+# Set on every sacct/squeue call, whatever the site's or user's environment says: ISO times
+# (a site's SLURM_TIME_FORMAT=relative prints "Ystday 10:02", which reads as no time at all),
+# and array task expressions printed whole (by default cut at 64 bytes, which would hide
+# pending tasks of an array from us). sacct(1)/squeue(1), ENVIRONMENT VARIABLES.
+_QUERY_ENV = ("SLURM_TIME_FORMAT=standard", "SLURM_BITSTR_LEN=0")
 _SACCT = ["sacct", "--parsable2", "--noheader", "--format=" + ",".join(SACCT_FIELDS)]
+# --array: one row per array task, pending ones included, so a task is found by its own id.
+_SQUEUE = ["squeue", "--noheader", "--array", "--format=" + SQUEUE_FORMAT]
 # How far back a key lookup searches: sacct's default (midnight) would miss a
 # job submitted yesterday by the same DAG run.
 KEY_LOOKBACK = "now-30days"
@@ -32,6 +40,10 @@ def _join(argv: Iterable[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
+def _query(argv: Iterable[str]) -> str:
+    return " ".join(_QUERY_ENV) + " " + _join(argv)
+
+
 def sbatch(run_dir: str, script_name: str) -> str:
     return f"cd {shlex.quote(run_dir)} && " + _join(["sbatch", "--parsable", script_name])
 
@@ -40,22 +52,21 @@ def sacct_jobs(job_ids: Iterable[str]) -> str:
     ids = sorted(set(job_ids))
     if not ids:
         raise ValueError("sacct_jobs needs at least one job id")
-    return _join([*_SACCT, "--jobs=" + ",".join(ids)])
+    return _query([*_SACCT, "--jobs=" + ",".join(ids)])
 
 
 def sacct_name(name: str) -> str:
-    return _join([*_SACCT, "--name=" + name, "--starttime=" + KEY_LOOKBACK])
+    return _query([*_SACCT, "--name=" + name, "--starttime=" + KEY_LOOKBACK])
 
 
 def squeue_name(name: str) -> str:
-    return _join(["squeue", "--noheader", "--name=" + name, "--format=" + SQUEUE_FORMAT])
+    return _query([*_SQUEUE, "--name=" + name])
 
 
 def squeue_jobs(job_ids: Iterable[str]) -> str:
     # --states=all keeps recently finished jobs that sacct may not show yet.
     ids = ",".join(sorted(set(job_ids)))
-    return _join(["squeue", "--noheader", "--states=all", "--jobs=" + ids,
-                  "--format=" + SQUEUE_FORMAT])
+    return _query([*_SQUEUE, "--states=all", "--jobs=" + ids])
 
 
 def sinfo_nodes(partition: str | None = None) -> str:
@@ -63,6 +74,12 @@ def sinfo_nodes(partition: str | None = None) -> str:
     if partition:
         argv.append("--partition=" + partition)
     return _join(argv)
+
+
+def sinfo_node_count(output: str) -> int:
+    """The node count from :func:`sinfo_nodes`'s output: only lines that are a number
+    (a login banner's words are not nodes)."""
+    return sum(int(line) for line in output.split("\n") if line.strip().isdigit())
 
 
 def scancel(job_id: str, killed_in: str | None = None) -> str:
@@ -73,6 +90,13 @@ def scancel(job_id: str, killed_in: str | None = None) -> str:
         return cancel
     note = posixpath.join(killed_in, KILLED_JOBS)
     return f"printf '%s\\n' {shlex.quote(job_id)} >> {shlex.quote(note)}; {cancel}"
+
+
+def check_cancel(job_id: str, returncode: int, stderr: str) -> None:
+    """Raise :class:`SlurmCommandError` unless ``scancel`` cancelled the job or it had
+    already ended (cancel is idempotent). One rule for the hook and the poller."""
+    if returncode != 0 and not any(s in stderr for s in CANCEL_ALREADY_DONE):
+        raise SlurmCommandError(f"scancel {job_id}", returncode, stderr)
 
 
 def mkdir_p(path: str) -> str:

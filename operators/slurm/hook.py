@@ -13,6 +13,7 @@ something only a key lookup can tell, and that is the operator's decision.
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 import socket
 import threading
@@ -23,25 +24,27 @@ from typing import Any
 
 import paramiko
 
-from operators.slurm import commands
+from operators.slurm import commands, query
 from operators.slurm.backoff import backoff_delays
 from operators.slurm.errors import (
     ClusterAuthError,
     ClusterUnreachable,
     SlurmCommandError,
+    program,
 )
 from operators.slurm.parse import (
     JobRecord,
+    SlurmParseError,
     job_view,
-    merge_live,
-    needs_squeue,
-    parse_sacct,
+    newest_job,
     parse_sbatch,
-    parse_squeue,
+    read_sacct,
+    read_squeue,
 )
 from operators.slurm.render import render_script
 from operators.slurm.spec import JobSpec
 
+log = logging.getLogger(__name__)
 SCRIPT_NAME = "job.sbatch"
 DEFAULT_WORK_DIR = "pp-runs"
 _TRANSPORT_ERRORS = (paramiko.SSHException, OSError, EOFError, socket.timeout)
@@ -150,12 +153,12 @@ class SlurmHook:
     def run(self, command: str, *, retry: bool = True) -> tuple[int, str, str]:
         """Run one command line; transport errors are retried only when ``retry``."""
         if retry:
-            return self._with_retries(command.split()[0], lambda c: self._exec(c, command))
+            return self._with_retries(program(command), lambda c: self._exec(c, command))
         try:
             return self._exec(self._connect(), command)
         except _TRANSPORT_ERRORS as exc:
             self._drop()
-            raise ClusterUnreachable(f"{command.split()[0]} via {self._who()}: {exc}") from exc
+            raise ClusterUnreachable(f"{program(command)} via {self._who()}: {exc}") from exc
 
     def check(self, command: str) -> str:
         rc, out, err = self.run(command)
@@ -243,46 +246,62 @@ class SlurmHook:
     # -- Slurm -----------------------------------------------------------------
     def submit(self, spec: JobSpec, run_dir: str,
                files: Mapping[str, str | bytes] | None = None) -> str:
-        """Upload the rendered script and ``files`` into ``run_dir``; ``sbatch`` once."""
+        """Upload the rendered script and ``files`` into ``run_dir``; ``sbatch`` once.
+
+        A wrapped sbatch that exited 0 without a job id we can read did queue the job:
+        it is looked up by its key (``spec.name``) before anything fails.
+        """
         script = render_script(spec)
         self.upload(run_dir, {**(files or {}), SCRIPT_NAME: script})
         rc, out, err = self.run(commands.sbatch(run_dir, SCRIPT_NAME), retry=False)
         if rc != 0:
             raise SlurmCommandError("sbatch", rc, err)
-        return parse_sbatch(out)
+        try:
+            return parse_sbatch(out)
+        except SlurmParseError:
+            found = self.find_by_key(spec.name)
+            if found is None:
+                raise
+            log.warning("sbatch exited 0 but printed no job id we can read (%r); job %s "
+                        "has key %s", out.strip()[:200], found.job_id, spec.name)
+            return found.job_id
 
     def find_by_key(self, key: str) -> JobRecord | None:
-        """The newest job named ``key``: ``squeue`` first (fresh), then ``sacct``."""
-        live = parse_squeue(self.check(commands.squeue_name(key)))
-        if live:
-            return live[max(live, key=_id_order)]
-        done = {k: v for k, v in parse_sacct(self.check(commands.sacct_name(key))).items()
-                if v.name == key}
-        return done[max(done, key=_id_order)] if done else None
+        """The newest job named ``key`` (an array or het job as a whole): ``squeue``
+        first (fresh), then ``sacct``. Rows of other names are not ours, whatever
+        their id (Slurm reuses ids after a controller reset)."""
+        live = self._rows(commands.squeue_name(key), read_squeue)
+        found = newest_job(live, key)
+        if found is not None:
+            return found
+        return newest_job(self._rows(commands.sacct_name(key), read_sacct), key)
+
+    def _rows(self, command: str, reader) -> dict[str, JobRecord]:
+        rows = reader(self.check(command))
+        _log_skipped(program(command), rows.skipped)
+        return rows.records
 
     def describe(self, job_id: str) -> JobRecord | None:
-        """``sacct`` first; ``squeue`` when sacct does not know the job yet or it may be
-        requeued (see :func:`~operators.slurm.parse.merge_live`)."""
-        records = parse_sacct(self.check(commands.sacct_jobs([job_id])))
-        if needs_squeue(records, job_id):
-            rc, out, _ = self.run(commands.squeue_jobs([job_id]))
-            if rc == 0:
-                records = merge_live(records, parse_squeue(out))
-        return job_view(records, job_id)
+        """The job's state, as :func:`operators.slurm.query.status` reads it."""
+        found = query.run_blocking(query.status([job_id]),
+                                   lambda line: query.Result(*self.run(line)))
+        _log_skipped("sacct/squeue", found.skipped)
+        if found.degraded:
+            log.warning("job %s followed through squeue: %s", job_id, found.degraded)
+        return job_view(found.records, job_id)
 
     def node_count(self, partition: str | None = None) -> int:
         """Nodes in ``partition`` (all partitions when None), as ``sinfo`` counts them."""
-        out = self.check(commands.sinfo_nodes(partition))
-        return sum(int(n) for n in out.split() if n.isdigit())
+        return commands.sinfo_node_count(self.check(commands.sinfo_nodes(partition)))
 
     def cancel(self, job_id: str, killed_in: str | None = None) -> None:
         """Cancel ``job_id``; a job that already ended is not an error. ``killed_in``: the
         job's run dir, when its task was killed (see ``commands.KILLED_JOBS``)."""
         rc, _, err = self.run(commands.scancel(job_id, killed_in))
-        if rc != 0 and not any(s in err for s in commands.CANCEL_ALREADY_DONE):
-            raise SlurmCommandError("scancel", rc, err)
+        commands.check_cancel(job_id, rc, err)
 
 
-def _id_order(job_id: str) -> tuple[int, int]:
-    head, _, task = job_id.partition("_")
-    return int(head), int(task) if task.isdigit() else -1
+def _log_skipped(what: str, lines: tuple[str, ...]) -> None:
+    """Lines on a Slurm command's stdout that are not its rows: a banner, a MOTD."""
+    for line in lines[:5]:
+        log.info("skipped a line of %s output that is not a Slurm row: %r", what, line[:200])

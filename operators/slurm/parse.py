@@ -1,12 +1,19 @@
-"""Parsers for ``sbatch --parsable``, ``sacct --parsable2`` and ``squeue``. Pure."""
+"""Parsers for ``sbatch --parsable``, ``sacct --parsable2`` and ``squeue``. Pure.
+
+Login nodes print banners, MOTDs and warnings on stdout before a command's own
+output: a line that is not one of Slurm's rows is skipped and reported in
+``Rows.skipped``, never fatal on its own.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from operators.slurm.states import normalize_state
+from operators.slurm.jobids import id_order, parse_job_id
+from operators.slurm.states import Outcome, UnknownSlurmState, classify, normalize_state
 
 # The columns we ask ``sacct`` for, in order; parse_sacct reads them by name.
 SACCT_FIELDS = (
@@ -14,8 +21,12 @@ SACCT_FIELDS = (
     "ElapsedRaw", "NodeList", "AllocTRES", "Reason",
 )
 SQUEUE_FORMAT = "%i|%j|%T|%r|%N"  # job id, name, long state, reason, nodes
-_JOB_ID = re.compile(r"^[0-9]+(?:_[0-9]+)?$")
+_SQUEUE_FIELDS = 5
 _GPU_TRES = re.compile(r"gres/gpu(?::[^=,]+)?=([0-9]+)")
+# What sbatch prints for the new job: `--parsable` gives "id" or "id;cluster"; sites that wrap
+# sbatch print its normal line, sometimes prefixed or naming the cluster (sbatch(1)).
+_SBATCH_LINE = re.compile(
+    r"^(?:sbatch: )?(?:Submitted batch job )?([0-9]+(?:_[0-9]+)?)(?:;\S+| on cluster \S+)?$")
 
 
 class SlurmParseError(ValueError):
@@ -24,10 +35,10 @@ class SlurmParseError(ValueError):
 
 @dataclass(frozen=True)
 class JobRecord:
-    job_id: str  # "123", or "123_4" for an array task
+    job_id: str  # "123"; "123_4" for an array task; "1853+1" for a het job component
     name: str
     state: str  # normalised base state, e.g. "CANCELLED"
-    state_detail: str = ""  # e.g. "by 1000"
+    state_detail: str = ""  # e.g. "by 1000"; for an array or het job, its members' ends
     exit_code: int | None = None
     signal: int | None = None
     submit: datetime | None = None
@@ -46,13 +57,21 @@ class JobRecord:
         return None
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Parsed rows by job id as Slurm printed it, and the lines that were not rows."""
+
+    records: dict[str, JobRecord] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+
+
 def parse_sbatch(output: str) -> str:
-    """``sbatch --parsable`` prints ``jobid`` or ``jobid;cluster``."""
-    line = output.strip().splitlines()[-1] if output.strip() else ""
-    job_id = line.split(";", 1)[0].strip()
-    if not _JOB_ID.match(job_id):
-        raise SlurmParseError(f"sbatch printed no job id: {output.strip()[:200]!r}")
-    return job_id
+    """The job id from sbatch's output: its last line that names one."""
+    for line in reversed(output.strip().splitlines()):
+        match = _SBATCH_LINE.match(line.strip())
+        if match:
+            return match.group(1)
+    raise SlurmParseError(f"sbatch printed no job id: {output.strip()[:200]!r}")
 
 
 def _time(value: str) -> datetime | None:
@@ -73,7 +92,7 @@ def _exit(value: str) -> tuple[int | None, int | None]:
     return _int(code), _int(sig)
 
 
-def parse_sacct(output: str) -> dict[str, JobRecord]:
+def read_sacct(output: str) -> Rows:
     """Rows of ``sacct --parsable2 --noheader --format=<SACCT_FIELDS>`` by job id.
 
     Step rows (``123.0``, ``123.extern``) are skipped, except that ``123.batch``
@@ -82,16 +101,16 @@ def parse_sacct(output: str) -> dict[str, JobRecord]:
     """
     jobs: dict[str, dict[str, str]] = {}
     batch_exit: dict[str, str] = {}
-    for lineno, line in enumerate(output.splitlines(), 1):
+    skipped = []
+    for line in output.splitlines():
         if not line.strip():
             continue
         cells = line.split("|")
-        if len(cells) != len(SACCT_FIELDS):
-            raise SlurmParseError(
-                f"sacct line {lineno}: {len(cells)} fields, expected {len(SACCT_FIELDS)}: {line!r}"
-            )
+        job_id, _, step = cells[0].partition(".")
+        if len(cells) != len(SACCT_FIELDS) or parse_job_id(job_id) is None:
+            skipped.append(line)
+            continue
         row = dict(zip(SACCT_FIELDS, cells, strict=True))
-        job_id, _, step = row["JobID"].partition(".")
         if step == "batch":
             batch_exit[job_id] = row["ExitCode"]
         elif not step:
@@ -113,51 +132,132 @@ def parse_sacct(output: str) -> dict[str, JobRecord]:
             gpus=int(gpus.group(1)) if gpus else 0,
             reason="" if row["Reason"] == "None" else row["Reason"],
         )
-    return records
+    return Rows(records, tuple(skipped))
 
 
-def job_view(records: dict[str, JobRecord], job_id: str) -> JobRecord | None:
-    """The record for ``job_id``; for an array job, one record standing for all its tasks.
-
-    An array is active while any task is, then takes its worst task's state, so
-    one failed task fails the array.
-    """
-    if job_id in records:
-        return records[job_id]
-    tasks = [r for k, r in records.items() if k.partition("_")[0] == job_id and "_" in k]
-    if not tasks:
-        return None
-    from operators.slurm.states import Outcome
-
-    rank = {Outcome.ACTIVE: 0, Outcome.FAILURE: 1, Outcome.TIME_LIMIT: 2,
-            Outcome.RETRYABLE: 3, Outcome.SUCCESS: 4}
-    worst = min(tasks, key=lambda r: rank.get(_safe_outcome(r.state), 0))
-    exit_codes = [r.exit_code for r in tasks if r.exit_code]
-    return JobRecord(
-        job_id=job_id, name=worst.name, state=worst.state, state_detail=worst.state_detail,
-        exit_code=max(exit_codes) if exit_codes else worst.exit_code, signal=worst.signal,
-        submit=min((r.submit for r in tasks if r.submit), default=None),
-        start=min((r.start for r in tasks if r.start), default=None),
-        end=max((r.end for r in tasks if r.end), default=None),
-        elapsed_s=sum(r.elapsed_s or 0 for r in tasks),
-        nodelist=",".join(sorted({r.nodelist for r in tasks if r.nodelist})),
-        gpus=sum(r.gpus for r in tasks), reason=worst.reason, source=worst.source,
-    )
+def read_squeue(output: str) -> Rows:
+    """Rows of ``squeue --noheader --format=SQUEUE_FORMAT`` by job id."""
+    records, skipped = {}, []
+    for line in output.splitlines():
+        if not line.strip():
+            continue
+        cells = line.split("|")
+        if len(cells) != _SQUEUE_FIELDS or parse_job_id(cells[0]) is None or not cells[2]:
+            skipped.append(line)
+            continue
+        job_id, name, state, reason, nodes = cells
+        base, detail = normalize_state(state)
+        records[job_id] = JobRecord(job_id=job_id, name=name, state=base, state_detail=detail,
+                                    reason="" if reason == "None" else reason, nodelist=nodes,
+                                    source="squeue")
+    return Rows(records, tuple(skipped))
 
 
-def _safe_outcome(state: str):
-    from operators.slurm.states import Outcome, UnknownSlurmState, classify
+def parse_sacct(output: str) -> dict[str, JobRecord]:
+    return read_sacct(output).records
 
+
+def parse_squeue(output: str) -> dict[str, JobRecord]:
+    return read_squeue(output).records
+
+
+def _safe_outcome(state: str) -> Outcome | None:
     try:
         return classify(state)
     except UnknownSlurmState:
-        return Outcome.ACTIVE
+        return None
 
 
 def _retryable(state: str) -> bool:
-    from operators.slurm.states import Outcome
-
     return _safe_outcome(state) is Outcome.RETRYABLE
+
+
+# Which member's end stands for an array or het job that did not wholly succeed.
+_WORST_FIRST = (Outcome.FAILURE, Outcome.TIME_LIMIT, Outcome.RETRYABLE)
+
+
+def job_view(records: dict[str, JobRecord], job_id: str) -> JobRecord | None:
+    """The record for ``job_id``; for an array or het job, one record standing for all
+    its members (see :func:`combine`). An array task still pending with others
+    (``123_[2-4]``) is found by its own id (``123_3``)."""
+    if job_id in records:
+        return records[job_id]
+    wanted = parse_job_id(job_id)
+    if wanted is None:
+        return None
+    if wanted.task is not None:  # one task, maybe inside a pending range row
+        for key, record in records.items():
+            parsed = parse_job_id(key)
+            if parsed and parsed.base == wanted.base and parsed.holds_task(wanted.task):
+                return replace(record, job_id=job_id)
+        return None
+    if wanted.member:
+        return None
+    members = [r for k, r in records.items() if _member_of(k, wanted.base)]
+    return combine(wanted.base, members) if members else None
+
+
+def _member_of(key: str, base: str) -> bool:
+    parsed = parse_job_id(key)
+    return parsed is not None and parsed.base == base and parsed.member
+
+
+def combine(job_id: str, members: list[JobRecord]) -> JobRecord:
+    """An array's tasks or a het job's components as one job.
+
+    Active while any member is pending or running; a success only when every member
+    succeeded; otherwise the worst member's end (failure before time limit before
+    retryable), with every member that did not succeed, and its exit code, named in
+    ``state_detail``. A state we have no meaning for is passed on as it is.
+    """
+    members = sorted(members, key=lambda r: id_order(r.job_id))
+    outcomes = [(_safe_outcome(r.state), r) for r in members]
+    strange = [r for o, r in outcomes if o is None]
+    active = [r for o, r in outcomes if o is Outcome.ACTIVE]
+    bad = [(o, r) for o, r in outcomes if o in _WORST_FIRST]
+    if strange:
+        lead, detail = strange[0], f"member {strange[0].job_id}"
+    elif active:
+        running = [r for r in active if r.state == "RUNNING"]
+        lead = (running or active)[0]
+        detail = _counts(members)
+    elif bad:
+        lead = min(bad, key=lambda item: _WORST_FIRST.index(item[0]))[1]
+        detail = "not completed: " + ", ".join(
+            f"{r.job_id} {r.state} exit code {r.exit_code}" for _, r in bad)
+    else:
+        lead, detail = members[-1], ""
+    starts = [r.start for r in members if r.start]
+    ends = [r.end for r in members if r.end]
+    wall = (int((max(ends) - min(starts)).total_seconds()) if starts and ends and not active
+            else max((r.elapsed_s or 0 for r in members), default=None))
+    return JobRecord(
+        job_id=job_id, name=lead.name, state=lead.state, state_detail=detail,
+        exit_code=lead.exit_code, signal=lead.signal,
+        submit=min((r.submit for r in members if r.submit), default=None),
+        start=min(starts, default=None), end=max(ends, default=None) if not active else None,
+        elapsed_s=wall,
+        nodelist=",".join(sorted({r.nodelist for r in members if r.nodelist})),
+        gpus=sum(r.gpus for r in members), reason=lead.reason,
+        source="squeue" if any(r.source == "squeue" for r in members) else "sacct",
+    )
+
+
+def _counts(members: Iterable[JobRecord]) -> str:
+    by_state: dict[str, int] = {}
+    for record in members:
+        by_state[record.state] = by_state.get(record.state, 0) + 1
+    return ", ".join(f"{n} {state}" for state, n in sorted(by_state.items()))
+
+
+def newest_job(records: dict[str, JobRecord], name: str) -> JobRecord | None:
+    """The newest job named ``name`` (an array or het job as a whole). Rows of other names,
+    such as a job id Slurm reused after a controller reset, are not ours."""
+    bases = {parse_job_id(k).base for k, r in records.items() if r.name == name}
+    if not bases:
+        return None
+    ours = {k: r for k, r in records.items() if r.name == name}
+    return job_view(ours, max(bases, key=int))
 
 
 def needs_squeue(records: dict[str, JobRecord], job_id: str) -> bool:
@@ -174,8 +274,6 @@ def merge_live(records: dict[str, JobRecord], live: dict[str, JobRecord]) -> dic
     the same id while, for a few seconds, sacct's newest row is still the run that
     ended: if squeue holds the job as active, that is the truth, so keep waiting.
     """
-    from operators.slurm.states import Outcome
-
     merged = dict(records)
     for job_id, row in live.items():
         known = merged.get(job_id)
@@ -185,19 +283,3 @@ def merge_live(records: dict[str, JobRecord], live: dict[str, JobRecord]) -> dic
             merged[job_id] = replace(row, state_detail=f"requeued after {known.state}")
     return merged
 
-
-def parse_squeue(output: str) -> dict[str, JobRecord]:
-    """Rows of ``squeue --noheader --format=SQUEUE_FORMAT`` by job id."""
-    records = {}
-    for lineno, line in enumerate(output.splitlines(), 1):
-        if not line.strip():
-            continue
-        cells = line.split("|")
-        if len(cells) != 5:
-            raise SlurmParseError(f"squeue line {lineno}: expected 5 fields: {line!r}")
-        job_id, name, state, reason, nodes = cells
-        base, detail = normalize_state(state)
-        records[job_id] = JobRecord(job_id=job_id, name=name, state=base, state_detail=detail,
-                                    reason="" if reason == "None" else reason, nodelist=nodes,
-                                    source="squeue")
-    return records

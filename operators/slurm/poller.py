@@ -7,8 +7,13 @@ calls per minute does not grow with the number of jobs, and the cluster sees
 one SSH connection per triggerer instead of one per job: login nodes ban
 accounts for less. Log tails are read over SFTP on the same connection.
 
-A failed query marks every watched job UNKNOWN for that round, never FAILED;
-the connection is re-opened with jittered back-off.
+When sacct fails (slurmdbd down) the round follows the jobs through squeue
+alone (see :mod:`operators.slurm.query`). A round that got no status at all
+marks every watched job UNKNOWN for that round, never FAILED. Only a broken
+transport closes the connection (re-opened with jittered back-off, up to a
+minute, since login nodes ban reconnect storms); a Slurm command that ran and
+failed keeps it, and the next round comes one interval later, so the end of an
+accounting outage is seen within about two intervals.
 """
 
 from __future__ import annotations
@@ -18,15 +23,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from operators.slurm import commands
+from operators.slurm import commands, query
 from operators.slurm.backoff import backoff_delays
-from operators.slurm.parse import (
-    JobRecord,
-    merge_live,
-    needs_squeue,
-    parse_sacct,
-    parse_squeue,
-)
+from operators.slurm.errors import SlurmCommandError
+from operators.slurm.parse import JobRecord
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,9 @@ class Snapshot:
 
     seq: int = 0
     records: dict[str, JobRecord] = field(default_factory=dict)
-    error: str | None = None  # set when the round's query failed
+    # Why the round knows less than it should: its query failed (records empty), or sacct
+    # failed and the records are squeue's alone.
+    error: str | None = None
     at: float = 0.0
 
 
@@ -45,6 +47,8 @@ class Snapshot:
 class PollerStats:
     connections_opened: int = 0
     status_calls: int = 0
+    failed_rounds: int = 0  # no status at all (both commands failed, or the transport)
+    degraded_rounds: int = 0  # sacct failed, squeue answered
 
 
 class ClusterPoller:
@@ -105,6 +109,8 @@ class ClusterPoller:
                 self._conn = await SSHHookAsync(ssh_conn_id=self.conn_id,
                                                 keepalive_interval=15).get_conn()
                 self.stats.connections_opened += 1
+                log.info("SSH connection %d to cluster %s opened", self.stats.connections_opened,
+                         self.conn_id)
             return self._conn
 
     async def sftp(self):
@@ -123,7 +129,8 @@ class ClusterPoller:
         result = await conn.run(command, check=False, timeout=timeout)
         return result.exit_status or 0, str(result.stdout or ""), str(result.stderr or "")
 
-    async def read_log(self, path: str, offset: int, limit: int = 1 << 20) -> bytes:
+    async def read_bytes(self, path: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        """Up to ``limit`` bytes of ``path`` from ``offset``; b"" when it does not exist."""
         import asyncssh
 
         sftp = await self.sftp()
@@ -134,36 +141,39 @@ class ClusterPoller:
         except asyncssh.SFTPNoSuchFile:
             return b""
 
-    async def tail(self, path: str, max_bytes: int) -> bytes:
-        """The last ``max_bytes`` of ``path`` (b"" when it does not exist)."""
+    async def log_tail(self, path: str, max_bytes: int = 4000) -> str:
+        """The last ``max_bytes`` of ``path`` as text ("" when it does not exist)."""
         import asyncssh
 
         sftp = await self.sftp()
         try:
             size = (await sftp.stat(path)).size or 0
         except asyncssh.SFTPNoSuchFile:
-            return b""
-        return await self.read_log(path, max(0, size - max_bytes), max_bytes)
+            return ""
+        data = await self.read_bytes(path, max(0, size - max_bytes), max_bytes)
+        return data.decode("utf-8", "replace")
 
     async def cancel(self, job_id: str, killed_in: str | None = None) -> None:
         rc, _, err = await self.run(commands.scancel(job_id, killed_in))
-        if rc != 0 and not any(s in err for s in commands.CANCEL_ALREADY_DONE):
-            raise RuntimeError(f"scancel {job_id} exited {rc}: {err.strip()}")
+        commands.check_cancel(job_id, rc, err)
 
     # -- polling ---------------------------------------------------------------
-    async def _query(self, job_ids: list[str]) -> dict[str, JobRecord]:
-        self.stats.status_calls += 1
-        rc, out, err = await self.run(commands.sacct_jobs(job_ids))
-        if rc != 0:
-            raise RuntimeError(f"sacct exited {rc}: {err.strip()[:300]}")
-        records = parse_sacct(out)
-        unsure = [j for j in job_ids if needs_squeue(records, j)]
-        if unsure:  # not in sacct yet, or perhaps requeued: squeue knows
-            self.stats.status_calls += 1
-            rc, out, _ = await self.run(commands.squeue_jobs(unsure))
-            if rc == 0:
-                records = merge_live(records, parse_squeue(out))
-        return records
+    async def _query(self, job_ids: list[str]) -> query.Status:
+        """One round of :func:`operators.slurm.query.status` on this connection."""
+        round_ = query.status(job_ids)
+        found = None
+        try:
+            line = next(round_)
+            while True:
+                line = round_.send(query.Result(*await self.run(line)))
+        except StopIteration as done:
+            found = done.value
+        finally:
+            self.stats.status_calls += found.calls if found else 1
+        for skipped in found.skipped[:5]:
+            log.info("skipped a line of sacct/squeue output that is not a Slurm row: %r",
+                     skipped[:200])
+        return found
 
     async def _publish(self, records: dict[str, JobRecord], error: str | None) -> None:
         async with self._changed:
@@ -185,11 +195,22 @@ class ClusterPoller:
             else:
                 idle_rounds = 0
                 try:
-                    records = await self._query(job_ids)
+                    found = await self._query(job_ids)
                     delays = None
-                    await self._publish(records, None)
-                except Exception as exc:  # noqa: BLE001 - any failure is UNKNOWN, never FAILED
+                    if found.degraded:
+                        self.stats.degraded_rounds += 1
+                        log.warning("cluster %s: following jobs through squeue: %s",
+                                    self.conn_id, found.degraded)
+                    await self._publish(found.records, found.degraded)
+                except SlurmCommandError as exc:
+                    # Slurm answered, with an error: the connection is fine, keep it, and
+                    # ask again next interval (not later: recovery must be seen soon).
+                    self.stats.failed_rounds += 1
                     log.warning("polling cluster %s failed: %s", self.conn_id, exc)
+                    await self._publish({}, f"{type(exc).__name__}: {exc}")
+                except Exception as exc:  # noqa: BLE001 - any failure is UNKNOWN, never FAILED
+                    self.stats.failed_rounds += 1
+                    log.warning("polling cluster %s failed, reconnecting: %s", self.conn_id, exc)
                     await self._drop()
                     await self._publish({}, f"{type(exc).__name__}: {exc}")
                     delays = delays or backoff_delays(1000, base=self.interval, cap=60)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 
-from operators.slurm.spec import JobSpec
+from operators.slurm.spec import HET_FIELDS, HetComponent, JobSpec
 
 # (directive, JobSpec attribute) in output order; None values are left out.
 _VALUED = (
@@ -36,12 +36,13 @@ _VALUED = (
 )
 
 
+def _valued(spec: JobSpec | HetComponent, names: tuple[str, ...] | None = None) -> list[str]:
+    return [f"#SBATCH --{flag}={getattr(spec, attr)}" for flag, attr in _VALUED
+            if (names is None or attr in names) and getattr(spec, attr) is not None]
+
+
 def render_directives(spec: JobSpec) -> list[str]:
-    lines = [
-        f"#SBATCH --{flag}={getattr(spec, attr)}"
-        for flag, attr in _VALUED
-        if getattr(spec, attr) is not None
-    ]
+    lines = _valued(spec)
     if spec.exclusive:
         lines.append("#SBATCH --exclusive")
     lines.append("#SBATCH --requeue" if spec.requeue else "#SBATCH --no-requeue")
@@ -51,6 +52,9 @@ def render_directives(spec: JobSpec) -> list[str]:
     # A dependency that can never be met must fail, not pend forever.
     if spec.dependency is not None:
         lines.append("#SBATCH --kill-on-invalid-dep=yes")
+    # A heterogeneous job: each further component's own resources after a separator line.
+    for component in spec.het_components:
+        lines += ["#SBATCH hetjob", *_valued(component, HET_FIELDS)]
     return lines
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
 # Alphabets. Slurm's own filename patterns (%j, %x, %A, %a) need '%'.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -68,6 +68,42 @@ class ContainerSpec:
             _check(f"container.binds[{i}]", bind, _PATH, "src[:dst[:opts]] without spaces")
 
 
+# The options a further component of a heterogeneous job sets for itself; job-wide ones
+# (name, output, time, signal, dependency, requeue) come from the first component.
+HET_FIELDS = ("partition", "account", "qos", "nodes", "ntasks", "ntasks_per_node",
+              "cpus_per_task", "gpus_per_node", "mem", "exclude")
+
+
+def _check_resources(spec: JobSpec | HetComponent, prefix: str = "") -> None:
+    for name in ("partition", "account", "qos"):
+        _check(prefix + name, getattr(spec, name), _NAME, "letters, digits, '.', '_', '-'")
+    for name in ("nodes", "ntasks", "ntasks_per_node", "cpus_per_task"):
+        _check_positive(prefix + name, getattr(spec, name))
+    _check(prefix + "gpus_per_node", spec.gpus_per_node, _GPUS,
+           "a count, optionally 'type:count'")
+    _check(prefix + "mem", spec.mem, _MEMORY, "a size such as 16G")
+    _check(prefix + "exclude", spec.exclude, _NODELIST, "a node list such as node[01-03]")
+
+
+def _het_components(value: object) -> tuple[HetComponent, ...]:
+    """``het_components`` as given (mappings from a DAG or YAML, or components) -> typed."""
+    if not isinstance(value, list | tuple):
+        raise JobSpecError("het_components", value, "must be a list of components")
+    found = []
+    for i, item in enumerate(value):
+        if isinstance(item, HetComponent):
+            found.append(item)
+            continue
+        if not isinstance(item, Mapping):
+            raise JobSpecError(f"het_components[{i}]", item, "must be a mapping")
+        unknown = sorted(set(item) - set(HET_FIELDS))
+        if unknown:
+            raise JobSpecError(f"het_components[{i}]", item,
+                               f"unknown option(s) {unknown}; allowed: {list(HET_FIELDS)}")
+        found.append(HetComponent(**item))
+    return tuple(found)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """Everything ``sbatch`` needs for one job. Frozen: a spec is a value."""
@@ -96,6 +132,11 @@ class JobSpec:
     requeue: bool = False
     environment: Mapping[str, str] = field(default_factory=dict)
     container: ContainerSpec | None = None
+    # Further components of a heterogeneous job; this spec's own resources are component 0.
+    het_components: tuple[HetComponent, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "het_components", _het_components(self.het_components))
 
     def validate(self) -> JobSpec:
         """Raise :class:`JobSpecError` naming the first bad field; return self."""
@@ -103,17 +144,16 @@ class JobSpec:
         _check("comment", self.comment, _NAME, "letters, digits, '.', '_', '-'")
         for name in ("output", "error", "workdir"):
             _check(name, getattr(self, name), _PATH, "a path of [A-Za-z0-9_./%@+=:,-]")
-        for name in ("partition", "account", "qos"):
-            _check(name, getattr(self, name), _NAME, "letters, digits, '.', '_', '-'")
-        for name in ("nodes", "ntasks", "ntasks_per_node", "cpus_per_task"):
-            _check_positive(name, getattr(self, name))
-        _check("gpus_per_node", self.gpus_per_node, _GPUS, "a count, optionally 'type:count'")
-        _check("mem", self.mem, _MEMORY, "a size such as 16G")
+        _check_resources(self)
         _check("time", self.time, _TIME, "a Slurm time such as 30, 02:00:00 or 1-00:00:00")
         _check("signal", self.signal, _SIGNAL, "a signal spec such as TERM@120 or B:USR1@300")
         _check("dependency", self.dependency, _DEPENDENCY, "a dependency such as afterok:123")
         _check("array", self.array, _ARRAY, "an array range such as 0-9%2")
-        _check("exclude", self.exclude, _NODELIST, "a node list such as node[01-03]")
+        for i, component in enumerate(self.het_components):
+            component.validate(f"het_components[{i}].")
+        if self.het_components and self.array is not None:
+            raise JobSpecError("het_components", self.het_components,
+                               "a heterogeneous job cannot be an array (sbatch(1))")
         if not isinstance(self.command, str) or not self.command.strip():
             raise JobSpecError("command", self.command, "must be a non-empty string")
         if "\x00" in self.command:
@@ -125,3 +165,15 @@ class JobSpec:
         if self.container is not None:
             self.container.validate()
         return self
+
+
+def _validate_component(self: HetComponent, prefix: str) -> None:
+    _check_resources(self, prefix)
+
+
+# A further component of a heterogeneous job, after an ``#SBATCH hetjob`` line (Slurm 22.05's
+# separator): e.g. workers beside a launcher. Its fields are JobSpec's of the same names.
+HetComponent = make_dataclass(
+    "HetComponent",
+    [(name, JobSpec.__dataclass_fields__[name].type, field(default=None)) for name in HET_FIELDS],
+    frozen=True, namespace={"validate": _validate_component, "__module__": __name__})

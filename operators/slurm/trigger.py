@@ -99,12 +99,11 @@ class SlurmJobTrigger(BaseTrigger):
         found: dict[str, Any] = {}
         try:
             if self.result_path:
-                data = await poller.read_log(self.result_path, 0, RESULT_IN_EVENT_MAX + 1)
+                data = await poller.read_bytes(self.result_path, 0, RESULT_IN_EVENT_MAX + 1)
                 if len(data) <= RESULT_IN_EVENT_MAX:
                     found["result"] = json.loads(data) if data.strip() else None
             if self.log_path and outcome is not Outcome.SUCCESS:
-                tail = await poller.tail(self.log_path, LOG_TAIL_BYTES)
-                found["log_tail"] = tail.decode("utf-8", "replace")
+                found["log_tail"] = await poller.log_tail(self.log_path, LOG_TAIL_BYTES)
         except Exception as exc:  # noqa: BLE001 - the task falls back to reading them
             self.log.info("job %s outputs left to the task: %s", self.job_id, exc)
         return found
@@ -114,7 +113,7 @@ class SlurmJobTrigger(BaseTrigger):
             return
         try:
             while True:
-                data = await poller.read_log(self.log_path, self.log_offset, LOG_CHUNK)
+                data = await poller.read_bytes(self.log_path, self.log_offset, LOG_CHUNK)
                 # Forward whole lines only; a partial last line waits for the next round.
                 cut = data.rfind(b"\n") + 1 if len(data) < LOG_CHUNK else len(data)
                 if cut == 0:

@@ -20,6 +20,9 @@ from operators.slurm.states import Outcome, UnknownSlurmState, classify
 @pytest.mark.parametrize(("out", "job_id"), [
     ("123\n", "123"), ("123;pp-local\n", "123"), ("Submitted batch job 9\n7\n", "7"),
     ("45_3", "45_3"),
+    ("5610208;mpp2\n", "5610208"),  # sbatch.c (SchedMD/slurm): --parsable, "%u;%s"
+    ("sbatch: warning: --mem ignored\n778\n", "778"),  # issue 13: a warning before the id
+    ("=== Welcome to pp-local ===\n13\n", "13"),  # a login banner before the id
 ])
 def test_parse_sbatch(out: str, job_id: str) -> None:
     assert parse_sbatch(out) == job_id
@@ -104,17 +107,18 @@ def test_sacct_signal_and_reason() -> None:
     assert parse_sacct(row("9", "COMPLETED"))["9"].reason == ""
 
 
-def test_sacct_wrong_shape_is_an_error_not_a_failure() -> None:
-    with pytest.raises(SlurmParseError, match="line 1"):
-        parse_sacct("1|2|3\n")
+def test_sacct_line_of_the_wrong_shape_is_skipped_and_reported() -> None:
+    from operators.slurm.parse import read_sacct
+
+    rows = read_sacct("1|2|3\n" + row("9", "COMPLETED"))
+    assert list(rows.records) == ["9"] and rows.skipped == ("1|2|3",)
 
 
 def test_squeue() -> None:
     records = parse_squeue("300|pp-a|PENDING|Priority|\n301|pp-b|R|None|node1\n")
     assert records["300"].reason == "Priority"
     assert records["301"].state == "RUNNING" and records["301"].nodelist == "node1"
-    with pytest.raises(SlurmParseError):
-        parse_squeue("300|pp-a\n")
+    assert parse_squeue("300|pp-a\n") == {}  # not a row: skipped
 
 
 def test_job_key_is_deterministic_and_ignores_try_number() -> None:

@@ -93,3 +93,32 @@ def test_bad_container_bind() -> None:
                    container=ContainerSpec(image="/i.sif", binds=("/a:/b;id",)))
     with pytest.raises(JobSpecError, match=r"container\.binds\[0\]"):
         spec.validate()
+
+
+def test_het_job_components_follow_hetjob_separators() -> None:
+    # Slurm 22.05 batch syntax (doc/html/heterogeneous_jobs.shtml, SchedMD/slurm): each further
+    # component's options after a line "#SBATCH hetjob"; job-wide options in the first.
+    spec = JobSpec(name="pp-launch-0123456789abcdef", command="srun --het-group=0,1 hostname",
+                   output="/r/slurm-%j.out", time="10", cpus_per_task=1, mem="100M",
+                   het_components=[{"cpus_per_task": 2, "mem": "100M", "nodes": 2},
+                                   {"partition": "gpu", "gpus_per_node": "4"}])
+    directives = [line for line in render_script(spec).splitlines() if line.startswith("#SBATCH")]
+    first = directives.index("#SBATCH hetjob")
+    assert "#SBATCH --time=10" in directives[:first]
+    assert directives[first:] == [
+        "#SBATCH hetjob", "#SBATCH --nodes=2", "#SBATCH --cpus-per-task=2", "#SBATCH --mem=100M",
+        "#SBATCH hetjob", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=4"]
+
+
+@pytest.mark.parametrize(("components", "extra", "field"), [
+    ([{"mem": "16GB"}], {}, "het_components[0].mem"),
+    ([{}, {"partition": "gpu;id"}], {}, "het_components[1].partition"),
+    ([{"time": "10"}], {}, "het_components[0]"),  # job-wide: only in the first component
+    (["cpus=2"], {}, "het_components[0]"),
+    ([{}], {"array": "0-3"}, "het_components"),  # sbatch(1): no arrays of het jobs
+])
+def test_bad_het_components_are_rejected_naming_the_field(components, extra, field) -> None:
+    with pytest.raises(JobSpecError) as err:
+        JobSpec(name="ok", command="true", output="/tmp/o", het_components=components,
+                **extra).validate()
+    assert err.value.field_name == field

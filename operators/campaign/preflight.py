@@ -1,0 +1,135 @@
+"""``train.preflight``: one short job that decides "this config will run", before any training job.
+
+Every campaign has it, first in the ``train`` group. It renders exactly what segment 1 would get
+(the same renderers: operators/campaign/bridge.py, reference.py) and runs the path's own checks
+on the cluster, where the files are:
+
+- Bridge campaigns: ``jobscripts.bridge_preflight`` in the training image (the campaign's
+  container; a CPU job, no GPUs), with the training's environment (HF_HOME, offline): recipe by
+  name, the YAML and CLI overrides through Bridge's override path in strict mode, Bridge's
+  validation for the job's world size, data, tokenizer, checkpoint dir, mixed precision, FP8.
+- reference campaigns: ``jobscripts.reference_preflight`` with the cluster's Python.
+
+A failed preflight fails the task with the job's own message (it names the key) and is never
+retried: a configuration error does not go away by itself. The segments then never submit.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import shlex
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from operators.campaign.code_ship import ShipsCode
+from operators.campaign.layout import RESULT_FILE, Layout
+from operators.campaign.paths import RunPaths
+from operators.campaign.remote import read_history, read_iteration, read_text
+from operators.campaign.stages import stage_job
+from operators.slurm.errors import SlurmJobFailed
+from operators.slurm.operator import XCOM_JOB, SlurmJobOperator, python_module_command
+
+TASK_ID = "preflight"
+# A config check, not training: a short CPU job (imports take a minute or two in the image).
+PREFLIGHT_TIME = "00:30:00"
+PREFLIGHT_CPUS = 2
+# The training image's interpreter, inside the container (the NeMo image's python3 has Bridge).
+IMAGE_PYTHON = "python3"
+
+
+def _data_prefixes(campaign, hook, layout: Layout) -> list[str] | None:
+    """The prefixes segment 1 will train on when the data stage made them (its manifest);
+    None where the campaign names its own (prefixes or blend: the renderers take those)."""
+    from jobscripts import manifest as manifests
+
+    text = read_text(hook, layout.manifest)
+    if text is not None:
+        return manifests.data_prefixes(json.loads(text), layout.tokens)
+    return list(campaign.data.prefixes) if campaign.data.prefixes else None
+
+
+def bridge_preflight_job(campaign, paths: RunPaths, history: list[dict]) -> dict[str, Any]:
+    """``SlurmJobOperator`` arguments: segment 1's YAML and environment, checked in the image."""
+    from operators.campaign.bridge import CONFIG_FILE, bridge_segment
+
+    segment = bridge_segment(campaign, paths, history)
+    c = campaign.cluster
+    module = ["-m", "jobscripts.bridge_preflight", "--recipe", campaign.model.recipe,
+              "--config-file", CONFIG_FILE, "--world-size", str(campaign.world_size),
+              "--result", RESULT_FILE]
+    lines = []
+    if paths.code_dir is not None:  # set inside: the image's own PYTHONPATH would win
+        lines.append(f"export PYTHONPATH={shlex.quote(paths.code_dir)}"
+                     "${PYTHONPATH:+:$PYTHONPATH}")
+    lines.append(" ".join(["exec", IMAGE_PYTHON, *(shlex.quote(a) for a in module)]))
+    job = {**stage_job(campaign, PREFLIGHT_CPUS), "time": PREFLIGHT_TIME,
+           "container": {"image": c.container.image, "binds": list(c.container.binds),
+                         "nv": False}}
+    return {"command": "\n".join(lines), "job": job, "environment": segment["environment"],
+            "files": {CONFIG_FILE: segment["files"][CONFIG_FILE]}, "result_file": RESULT_FILE}
+
+
+def reference_preflight_job(campaign, layout: Layout, data_path: list[str],
+                            history: list[dict]) -> dict[str, Any]:
+    from operators.campaign.reference import CONFIG_FILE, reference_segment
+
+    segment = reference_segment(campaign, layout, data_path, history)
+    return {"command": python_module_command("jobscripts.reference_preflight", "--config",
+                                             CONFIG_FILE, "--result", RESULT_FILE),
+            "job": {**stage_job(campaign, PREFLIGHT_CPUS), "time": PREFLIGHT_TIME},
+            "environment": segment["environment"],
+            "files": {CONFIG_FILE: segment["files"][CONFIG_FILE]}, "result_file": RESULT_FILE}
+
+
+class PreflightOperator(ShipsCode, SlurmJobOperator):
+    """The campaign's preflight job; fails without retry on a configuration error."""
+
+    def __init__(self, *, campaign, **kwargs: Any) -> None:
+        kwargs["retries"] = 0  # a configuration error is never retried
+        super().__init__(ssh_conn_id=campaign.cluster.ssh_conn_id, command="true",
+                         result_file=RESULT_FILE, **kwargs)
+        self.campaign = campaign
+
+    def execute(self, context) -> Any:
+        layout = Layout(RunPaths.for_campaign(self.campaign))
+        train_iters = int(context["params"].get("train_iters")
+                          or self.campaign.training.train_iters)
+        done = read_iteration(self.hook, layout)
+        if done >= train_iters:  # nothing will train: a finished campaign's run does nothing
+            raise AirflowSkipException(f"campaign done: checkpoint at iteration {done}")
+        code_dir = self.ship_code()
+        history = read_history(self.hook, layout)
+        prefixes = _data_prefixes(self.campaign, self.hook, layout)
+        if self.campaign.model.reference is not None:
+            data_path = prefixes or [x for b in self.campaign.data.blend or ()
+                                     for x in (str(b.weight), b.prefix)]
+            kwargs = reference_preflight_job(self.campaign, layout, data_path, history)
+        else:
+            paths = RunPaths.for_campaign(self.campaign, data_prefixes=prefixes,
+                                          tokenizer_dir=layout.tokenizer, code_dir=code_dir)
+            kwargs = bridge_preflight_job(self.campaign, paths, history)
+        self.command, self.job, self.files = kwargs["command"], kwargs["job"], kwargs["files"]
+        self.environment = {**kwargs["environment"], **self.environment}  # + PYTHONPATH
+        return super().execute(context)
+
+    def _complete(self, context, event: dict[str, Any]) -> Any:
+        try:
+            return super()._complete(context, event)
+        except SlurmJobFailed as exc:
+            result = event.get("result") if "result" in event else self._result(context)
+            error = (result or {}).get("error")
+            if not error:
+                raise  # no verdict from the job (it died before writing one): retry rules
+            raise AirflowFailException(
+                f"preflight: this configuration will not run, nothing submitted: {error} "
+                f"(check {result.get('failed_check')!r}; Slurm: {str(exc).splitlines()[0]})"
+            ) from exc
+
+    def _result(self, context) -> dict | None:
+        ti = context["ti"]
+        info = ti.xcom_pull(task_ids=self.task_id, key=XCOM_JOB, map_indexes=ti.map_index) or {}
+        if not info.get("run_dir"):
+            return None
+        return self.hook.read_json(posixpath.join(info["run_dir"], RESULT_FILE))

@@ -1,5 +1,5 @@
 """The production path: a campaign -> Megatron Bridge override YAML + the sbatch job that
-runs it, as the reference workflow does by hand (DESIGN.md §1, §4). Pure: no SSH, no Bridge.
+runs it, as the reference workflow does by hand (docs/campaign.md). Pure: no SSH, no Bridge.
 
 The job: one task per node (``srun --mpi=pmi2``) starts ``apptainer run --nv`` on the NeMo
 image, which starts ``torchrun`` with the node's GPUs; torchrun runs our entrypoint

@@ -1,4 +1,4 @@
-"""The deterministic job key that makes submission idempotent (DESIGN.md §3).
+"""The deterministic job key that makes submission idempotent (docs/contracts.md).
 
 Built from what identifies a unit of work, never from the try number: a retry
 of the same task, or the same task re-run after an Airflow restart, computes

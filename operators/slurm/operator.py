@@ -1,6 +1,6 @@
 """``SlurmJobOperator``: submit (or re-attach to) one Slurm job and wait for it.
 
-Idempotent by construction (DESIGN.md §3): the job carries a key built from
+Idempotent by construction (docs/contracts.md): the job carries a key built from
 the task instance but not the try number. Before ``sbatch``, and again after
 any ``sbatch`` error, the operator looks the key up; a live or completed job
 is re-attached, so no unit of work is submitted twice. A job that ended badly

@@ -1,4 +1,4 @@
-"""What each Slurm state means. The one place that says so (DESIGN.md §3)."""
+"""What each Slurm state means. The one place that says so (docs/slurm-states.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """logparse records -> metric points (name, value, step), plus ``tokens_consumed``; points ->
 MLflow ``Metric`` entities sent with ``log_batch``, 1,000 per call, never one call per value
-(DESIGN.md §4: ~128 values/s one by one, ~9,100/s in batches).
+(docs/tracking.md: ~128 values/s one by one, ~9,100/s in batches).
 
 Records and metric names are jobscripts/vocabulary.py's (the one definition, which the log
 parser uses too); this adds only ``tokens_consumed``, the x-axis people compare pre-training

@@ -1,7 +1,7 @@
 """The runs of a campaign: one parent run for its whole life, a child run per stage/segment.
 
 The parent's id is stored by the Airflow side in a file beside the checkpoints, so every DAG
-run and segment continues it (DESIGN.md §3). Children are found again by a key tag, so an
+run and segment continues it (docs/tracking.md). Children are found again by a key tag, so an
 Airflow retry of a task continues its child run instead of starting a second one.
 
 mlflow is imported inside the functions that need it.

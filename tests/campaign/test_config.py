@@ -12,7 +12,7 @@ from operators.campaign.load import CampaignConfigError, campaign_from_dict, loa
 from operators.campaign.summary import reference_params, summary
 from tests.campaign.util import DELETE, DEMO, LLAMA_8B, dump, edited, raw
 
-# The reference workflow (DESIGN.md §1) as the 8B campaign: every value, defaults included.
+# The reference workflow (docs/campaign.md) as the 8B campaign: every value, defaults included.
 LLAMA_8B_EXPECTED = {
     "name": "llama31_8b_fp8",
     "description": "Llama 3.1 8B, FP8 (bf16 with FP8 current scaling), 2 nodes x 4 GH200, "

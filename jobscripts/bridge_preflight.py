@@ -43,9 +43,10 @@ from jobscripts.bridge_pretrain import (
     recipe_module,
 )
 from jobscripts.common import entry_point
+from jobscripts.job_files import RESULT_FILE
 from jobscripts.preflight_checks import Checks, tokenizer_problem, unwritable_dir
 
-RESULT_NAME = "result.json"
+RESULT_NAME = RESULT_FILE
 BY_BRIDGE, BY_PREFLIGHT = "bridge", "preflight"
 # What a CPU node cannot check, said in every result (the GPU job is the first to see these).
 NOT_CHECKED_ON_CPU = (

@@ -19,10 +19,11 @@ from typing import Any
 
 from jobscripts.blend import missing_prefixes
 from jobscripts.common import entry_point
+from jobscripts.job_files import RESULT_FILE
 from jobscripts.preflight_checks import Checks, tokenizer_problem, unwritable_dir
 from jobscripts.trainer_config import load_config
 
-RESULT_NAME = "result.json"
+RESULT_NAME = RESULT_FILE
 BY = "reference"
 
 

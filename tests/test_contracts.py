@@ -41,7 +41,16 @@ CONTRACTS: dict[str, set[str]] = {
 }
 
 
+# Names a message may mention: a string with whitespace in it is prose (a log line, an error),
+# not a path. Tags and prefixes are caught in any string (a query is written with spaces).
+MENTIONABLE = {job_files.TRACKER_FILENAME, job_files.SEGMENT_RESULT, job_files.RESULT_FILE,
+               job_files.MANIFEST_FILE, job_files.COMPLETE_MARKER, "iter_",
+               "pinned_manifest.json", "segments.jsonl", "completed.json", "mlflow_run_id"}
+
+
 def _found(literal: str, text: str) -> bool:
+    if literal in MENTIONABLE and re.search(r"\s", text):
+        return False
     # As a name of its own, not inside a longer one (pinned_manifest.json holds manifest.json).
     tail = r"[a-z]" if literal.endswith(".") else r"(?![\w.-])"
     return re.search(r"(?<![\w.-])" + re.escape(literal) + tail, text) is not None
@@ -90,6 +99,8 @@ def test_the_check_sees_a_literal_in_code_but_not_in_prose(tmp_path) -> None:
     assert [line for line, _ in strings] == [2, 3, 4]  # the help's flag, not its text
     assert _found("segment.json", strings[0][1]) and _found("pp.", strings[2][1])
     assert not _found("manifest.json", "pinned_manifest.json")
+    assert not _found("segment.json", "segment.json says iteration %s")  # a log message
+    assert _found("segment.json", "/run/segment.json")
     assert not _found("pp.", "app.kind") and not _found("iter_", "export-iter_")
 
 

@@ -59,17 +59,17 @@ def test_parse_time_check_still_runs_on_jinja_values() -> None:
                          environment=as_data({"A": "{{ 7*7 }}"}))
 
 
+SCRIPTS = f"grep -l -s -- '{ROOT}/literal_env' ~/pp-runs/pp-data.demo_corpus-*/job.sbatch"
+
+
 def _scripts() -> str:
     """Every job script this DAG's demo_corpus task wrote on the cluster."""
-    return cluster.remote(
-        f"grep -l -s -- '{ROOT}/literal_env' ~/pp-runs/pp-demo_corpus-*/job.sbatch "
-        "| xargs -r cat")
+    return cluster.remote(f"{SCRIPTS} | xargs -r cat")
 
 
 @pytest.mark.airflow
 def test_a_real_task_run_writes_the_literal_text(dags_test_env) -> None:
-    cluster.remote(f"grep -l -s -- '{ROOT}/literal_env' ~/pp-runs/pp-demo_corpus-*/job.sbatch "
-                   "| xargs -r -n1 dirname | xargs -r rm -rf; rm -rf " + ROOT)
+    cluster.remote(f"{SCRIPTS} | xargs -r -n1 dirname | xargs -r rm -rf; rm -rf {ROOT}")
     env = {**dags_test_env,
            "AIRFLOW_CONN_PP_LITERAL_CONN": '{"conn_type": "http", "host": "h", '
                                            f'"password": "{CONN_PASSWORD}"}}',

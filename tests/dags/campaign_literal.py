@@ -1,4 +1,4 @@
-"""A campaign whose environment holds Jinja, as a hostile campaign file would
+"""An Airflow DAG of a campaign whose environment holds Jinja, as a hostile campaign file would
 (tests/campaign/test_template_injection.py): built by the real DAG factory."""
 
 from __future__ import annotations

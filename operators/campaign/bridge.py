@@ -18,6 +18,7 @@ Facts this relies on (Bridge 26.04-alpha.rc2):
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -28,6 +29,9 @@ from operators.campaign.plan import (
     segment_exit_minutes,
     segment_job_options,
 )
+
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
 
 __all__ = ["CONFIG_FILE", "MIXED_PRECISION", "SEGMENT_RESULT", "bridge_job", "bridge_overrides",
            "bridge_segment", "exit_duration_minutes", "render_bridge_yaml"]
@@ -52,7 +56,7 @@ BASE_ENVIRONMENT = {
 }
 
 
-def _data_path(campaign, paths: RunPaths) -> list[str]:
+def _data_path(campaign: Campaign, paths: RunPaths) -> list[str]:
     """Megatron's ``--data-path`` list: prefixes, or weight, prefix, weight, prefix, ..."""
     data = campaign.data
     if data.blend is not None:
@@ -65,7 +69,7 @@ def _data_path(campaign, paths: RunPaths) -> list[str]:
     return list(paths.data_prefixes)
 
 
-def _tokenizer_dir(campaign, paths: RunPaths) -> str:
+def _tokenizer_dir(campaign: Campaign, paths: RunPaths) -> str:
     if campaign.data.tokenizer.path is not None:
         return campaign.data.tokenizer.path
     if paths.tokenizer_dir is None:
@@ -74,7 +78,7 @@ def _tokenizer_dir(campaign, paths: RunPaths) -> str:
     return paths.tokenizer_dir
 
 
-def bridge_overrides(campaign, paths: RunPaths, exit_duration_in_mins: int) -> dict:
+def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins: int) -> dict:
     """The override tree, section by section, in Bridge's ConfigContainer field names."""
     if campaign.model.recipe is None:
         raise ValueError("model.recipe: the Bridge path needs a recipe (the reference model "
@@ -129,7 +133,7 @@ def bridge_overrides(campaign, paths: RunPaths, exit_duration_in_mins: int) -> d
     }
 
 
-def render_bridge_yaml(campaign, run_paths: RunPaths, exit_duration_in_mins: int) -> str:
+def render_bridge_yaml(campaign: Campaign, run_paths: RunPaths, exit_duration_in_mins: int) -> str:
     tree = bridge_overrides(campaign, run_paths, exit_duration_in_mins)
     header = (f"# Megatron Bridge overrides for campaign {campaign.name}, recipe "
               f"{campaign.model.recipe} ({campaign.model.recipe_function}).\n"
@@ -137,7 +141,7 @@ def render_bridge_yaml(campaign, run_paths: RunPaths, exit_duration_in_mins: int
     return header + yaml.safe_dump(tree, sort_keys=False, default_flow_style=False, width=100)
 
 
-def _inner_command(campaign, paths: RunPaths, master_port: int, config_file: str,
+def _inner_command(campaign: Campaign, paths: RunPaths, master_port: int, config_file: str,
                    segment_result: str) -> str:
     """What runs inside the container on each node. SLURM_NODEID and friends differ per
     node, so they are expanded there, by this inner shell, not by the batch script."""
@@ -157,7 +161,7 @@ def _inner_command(campaign, paths: RunPaths, master_port: int, config_file: str
     return "; ".join(lines)
 
 
-def bridge_job(campaign, run_paths: RunPaths, *, master_port: int = MASTER_PORT,
+def bridge_job(campaign: Campaign, run_paths: RunPaths, *, master_port: int = MASTER_PORT,
                config_file: str = CONFIG_FILE,
                segment_result: str = SEGMENT_RESULT) -> tuple[dict, str, dict]:
     """``(job options, command, environment)`` for ``SlurmJobOperator`` / ``build_spec``.
@@ -194,7 +198,7 @@ def bridge_job(campaign, run_paths: RunPaths, *, master_port: int = MASTER_PORT,
     return job, command, environment
 
 
-def bridge_segment(campaign, run_paths: RunPaths, earlier_results=()) -> dict:
+def bridge_segment(campaign: Campaign, run_paths: RunPaths, earlier_results=()) -> dict:
     """Keyword arguments for one segment's ``SlurmJobOperator``: job, command, environment
     and the rendered YAML as an uploaded file. ``earlier_results``: earlier segment.json
     payloads, whose measured save times shorten this segment's training budget."""

@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
 
 HELP = "validate campaign YAML files as the DAG file does, and print each one's plan"
 # sbatch options worth showing, in the order a reader compares them.
@@ -34,7 +37,7 @@ def _request(job: dict[str, Any]) -> str:
     return " ".join(f"{k}={job[k]}" for k in REQUEST_KEYS if job.get(k) not in (None, False))
 
 
-def segment_request(campaign) -> dict[str, Any]:
+def segment_request(campaign: Campaign) -> dict[str, Any]:
     """What a training segment asks Slurm for (rendered when the task runs, so here the same
     functions the segment operator calls compute it)."""
     from operators.campaign.plan import segment_job_options
@@ -48,7 +51,7 @@ def segment_request(campaign) -> dict[str, Any]:
     return bridge_job(campaign, RunPaths.for_campaign(campaign))[0]
 
 
-def plan_lines(campaign, dag) -> list[str]:
+def plan_lines(campaign: Campaign, dag) -> list[str]:
     from operators.campaign.plan import plan_segments, segment_exit_minutes
     from operators.campaign.segment import TrainingSegmentOperator
     from operators.campaign.summary import summary

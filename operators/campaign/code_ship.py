@@ -20,9 +20,16 @@ import json
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from operators.campaign.paths import RunPaths
 from operators.slurm.operator import SlurmJobOperator
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from operators.campaign.config import Campaign
+    from operators.slurm.hook import SlurmHook
 
 PACKAGE = "jobscripts"
 CODE_DIR = "code"
@@ -65,7 +72,7 @@ def code_version(root: Path | None = None) -> CodeVersion:
     return CodeVersion(digest.hexdigest()[:DIGEST_CHARS], files)
 
 
-def ship(hook, paths: RunPaths, version: CodeVersion | None = None) -> str:
+def ship(hook: SlurmHook, paths: RunPaths, version: CodeVersion | None = None) -> str:
     """Upload ``version`` under the campaign unless it is there; returns its directory.
 
     Safe against a concurrent or interrupted upload: each file is renamed into place whole and
@@ -107,10 +114,10 @@ class ShipsCode:
 class CampaignJobOperator(ShipsCode, SlurmJobOperator):
     """A campaign's job that runs the shipped code: ``SlurmJobOperator`` plus ``campaign``."""
 
-    def __init__(self, *, campaign, **kwargs) -> None:
+    def __init__(self, *, campaign: Campaign, **kwargs) -> None:
         super().__init__(ssh_conn_id=campaign.cluster.ssh_conn_id, **kwargs)
         self.campaign = campaign
 
-    def execute(self, context):
+    def execute(self, context: Context):
         self.ship_code()
         return super().execute(context)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import posixpath
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from airflow.sdk import DAG, Asset, Param, TaskGroup, chain, task
 
@@ -27,11 +28,14 @@ from operators.campaign.summary import summary
 from operators.slurm.operator import SlurmJobOperator, as_data
 from operators.tracking.names import conn_dag_tag
 
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
+
 START = datetime(2026, 1, 1)
 TRIGGER_RULE_AFTER_DATA = "none_failed"  # run when the data stage ran or was skipped
 
 
-def manifest_asset(campaign, layout: Layout) -> Asset:
+def manifest_asset(campaign: Campaign, layout: Layout) -> Asset:
     """The tokenized dataset, as an Asset other campaigns can be scheduled on."""
     host = campaign.cluster.ssh_conn_id.replace("_", "-")
     return Asset(uri=f"file://{host}{layout.manifest}", name=f"{campaign.name}-dataset")
@@ -42,7 +46,7 @@ def _retry_args(retry) -> dict:
             "retry_exponential_backoff": retry.exponential_backoff}
 
 
-def _params(campaign) -> dict:
+def _params(campaign: Campaign) -> dict:
     t, s = campaign.training, campaign.segments
     return {
         "train_iters": Param(t.train_iters, type="integer", minimum=1,
@@ -58,7 +62,7 @@ def _params(campaign) -> dict:
     }
 
 
-def _check_data_task(campaign, layout: Layout):
+def _check_data_task(campaign: Campaign, layout: Layout):
     @task(task_id="check")
     def check(params=None, ti=None) -> dict:
         """Skips the data stage when its manifest exists (and the user allows it)."""
@@ -76,7 +80,7 @@ def _check_data_task(campaign, layout: Layout):
     return check()
 
 
-def _stage_job(campaign, task_id: str, kwargs: dict, retry: dict,
+def _stage_job(campaign: Campaign, task_id: str, kwargs: dict, retry: dict,
                **extra) -> SlurmJobOperator:
     """A non-training stage's job; with tracking on it also logs its MLflow child run.
 
@@ -94,7 +98,7 @@ def _stage_job(campaign, task_id: str, kwargs: dict, retry: dict,
                             **kwargs, **retry, **extra)
 
 
-def _data_stage(campaign, layout: Layout, retry: dict):
+def _data_stage(campaign: Campaign, layout: Layout, retry: dict):
     with TaskGroup("data") as group:
         def job(task_id: str, kwargs: dict, **extra) -> SlurmJobOperator:
             return _stage_job(campaign, task_id, kwargs, retry, **extra)
@@ -115,7 +119,7 @@ def _data_stage(campaign, layout: Layout, retry: dict):
     return group
 
 
-def _finished_task(campaign, layout: Layout):
+def _finished_task(campaign: Campaign, layout: Layout):
     @task(task_id="finished", trigger_rule=TRIGGER_RULE_AFTER_DATA)
     def finished(params=None) -> int:
         """Lets export/evaluate/register run once the campaign reached train_iters, and once
@@ -141,7 +145,7 @@ def _finished_task(campaign, layout: Layout):
     return finished()
 
 
-def _completed_task(campaign, layout: Layout):
+def _completed_task(campaign: Campaign, layout: Layout):
     @task(task_id="completed")
     def completed(ti=None) -> dict:
         """Records that the final stages ran for this iteration (read by ``finished``)."""
@@ -158,7 +162,7 @@ def _completed_task(campaign, layout: Layout):
     return completed()
 
 
-def _register_task(campaign, layout: Layout):
+def _register_task(campaign: Campaign, layout: Layout):
     @task(task_id="register")
     def register(ti=None) -> dict | None:
         """The exported, evaluated model in MLflow's registry, alias ``candidate``."""
@@ -173,7 +177,7 @@ def _register_task(campaign, layout: Layout):
     return register()
 
 
-def _finish_stage(campaign, layout: Layout, retry: dict) -> list:
+def _finish_stage(campaign: Campaign, layout: Layout, retry: dict) -> list:
     steps = [_finished_task(campaign, layout),
              _stage_job(campaign, "export", stages.export(campaign, layout), retry),
              _stage_job(campaign, "evaluate", stages.evaluate(campaign, layout), retry)]
@@ -184,12 +188,12 @@ def _finish_stage(campaign, layout: Layout, retry: dict) -> list:
     return steps
 
 
-def _tracking_tags(campaign) -> list[str]:
+def _tracking_tags(campaign: Campaign) -> list[str]:
     # The scheduler's listener ends the campaign's MLflow run through this connection.
     return [conn_dag_tag(campaign.tracking.mlflow_conn_id)] if campaign.tracking.enabled else []
 
 
-def build_dag(campaign, source: Path | None = None, *, auto_register: bool = True) -> DAG:
+def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: bool = True) -> DAG:
     layout = Layout(RunPaths.for_campaign(campaign))
     r = campaign.retries
     doc = summary(campaign) + (f"\n\nDefined in `{source.name}`." if source else "")

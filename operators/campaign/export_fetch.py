@@ -19,8 +19,12 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jobscripts.export_hf import LISTING_SUFFIX
+
+if TYPE_CHECKING:
+    from operators.slurm.hook import SlurmHook
 
 # Per hook read. paramiko serves one large read() in 32 KiB requests and slows down with the
 # read's size: measured over the local sshd, 32 MiB reads gave 1.5 MiB/s, 128 KiB-1 MiB reads
@@ -34,7 +38,7 @@ class ExportFetchError(RuntimeError):
     """The export on the cluster is missing, failed, or does not match its listing."""
 
 
-def read_listing(hook, export_dir: str, iteration: int | None = None) -> dict[str, int]:
+def read_listing(hook: SlurmHook, export_dir: str, iteration: int | None = None) -> dict[str, int]:
     """``{file name: bytes}`` of the published export, checked before anything is fetched."""
     path = export_dir + LISTING_SUFFIX
     listing = hook.read_json(path)
@@ -57,7 +61,7 @@ def read_listing(hook, export_dir: str, iteration: int | None = None) -> dict[st
     return files
 
 
-def fetch_file(hook, remote: str, local: Path, size: int) -> None:
+def fetch_file(hook: SlurmHook, remote: str, local: Path, size: int) -> None:
     with open(local, "wb") as handle:
         offset = 0
         while offset < size:

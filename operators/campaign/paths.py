@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from operators.campaign import layout
 from operators.campaign.fields import checked_path
+
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,8 @@ class RunPaths:
                 checked_path(f"run_paths.{name}", getattr(self, name))
 
     @classmethod
-    def for_campaign(cls, campaign, *, data_prefixes=None, tokenizer_dir: str | None = None,
-                     code_dir: str | None = None) -> RunPaths:
+    def for_campaign(cls, campaign: Campaign, *, data_prefixes=None,
+                     tokenizer_dir: str | None = None, code_dir: str | None = None) -> RunPaths:
         return cls(
             campaign_dir=layout.campaign_dir(campaign),
             checkpoint_dir=layout.checkpoint_dir(campaign),

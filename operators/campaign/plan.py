@@ -14,6 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
 
 
 class SegmentNoProgress(RuntimeError):
@@ -38,7 +42,7 @@ class Plan:
         return self.start_iteration >= self.train_iters
 
 
-def next_target(campaign, iteration: int | None) -> int:
+def next_target(campaign: Campaign, iteration: int | None) -> int:
     """The iteration a segment starting at ``iteration`` stops at, at the latest."""
     iteration, total = iteration or 0, campaign.training.train_iters
     per = campaign.segments.iters_per_segment
@@ -47,7 +51,7 @@ def next_target(campaign, iteration: int | None) -> int:
     return min(total, (iteration // per + 1) * per)
 
 
-def plan_segments(campaign, iteration: int | None = 0) -> Plan:
+def plan_segments(campaign: Campaign, iteration: int | None = 0) -> Plan:
     """The segment tasks of one DAG run, given the checkpoint iteration it starts from.
 
     With ``iters_per_segment``, one task per grid step left (at most ``max_per_run``).
@@ -114,7 +118,7 @@ def signal_lead_seconds(margin_min: float) -> int:
     return max(60, int(margin_min * 60) // 2)
 
 
-def segment_job_options(campaign, *, batch_shell: bool) -> dict:
+def segment_job_options(campaign: Campaign, *, batch_shell: bool) -> dict:
     """sbatch options every training segment has, whoever trains it.
 
     ``--signal`` as the backup stop (``B:`` when the trainer is the batch shell itself).
@@ -125,7 +129,7 @@ def segment_job_options(campaign, *, batch_shell: bool) -> dict:
     return {"signal": f"{'B:' if batch_shell else ''}TERM@{lead}", "requeue": True}
 
 
-def segment_exit_minutes(campaign, earlier_results: Iterable[Mapping] = ()) -> int:
+def segment_exit_minutes(campaign: Campaign, earlier_results: Iterable[Mapping] = ()) -> int:
     """:func:`exit_duration_minutes` with the campaign's estimates and measured saves."""
     s = campaign.segments
     return exit_duration_minutes(campaign.cluster.time_limit_minutes, s.startup_estimate_min,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import posixpath
 import shlex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
@@ -31,6 +31,12 @@ from operators.campaign.stages import stage_job
 from operators.slurm.errors import SlurmJobFailed
 from operators.slurm.operator import XCOM_JOB, SlurmJobOperator, python_module_command
 
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from operators.campaign.config import Campaign
+    from operators.slurm.hook import SlurmHook
+
 TASK_ID = "preflight"
 # A config check, not training: a short CPU job (imports take a minute or two in the image).
 PREFLIGHT_TIME = "00:30:00"
@@ -39,7 +45,7 @@ PREFLIGHT_CPUS = 2
 IMAGE_PYTHON = "python3"
 
 
-def _data_prefixes(campaign, hook, layout: Layout) -> list[str] | None:
+def _data_prefixes(campaign: Campaign, hook: SlurmHook, layout: Layout) -> list[str] | None:
     """The prefixes segment 1 will train on when the data stage made them (its manifest);
     None where the campaign names its own (prefixes or blend: the renderers take those)."""
     from jobscripts import manifest as manifests
@@ -50,7 +56,8 @@ def _data_prefixes(campaign, hook, layout: Layout) -> list[str] | None:
     return list(campaign.data.prefixes) if campaign.data.prefixes else None
 
 
-def bridge_preflight_job(campaign, paths: RunPaths, history: list[dict]) -> dict[str, Any]:
+def bridge_preflight_job(campaign: Campaign, paths: RunPaths,
+                         history: list[dict]) -> dict[str, Any]:
     """``SlurmJobOperator`` arguments: segment 1's YAML and environment, checked in the image."""
     from operators.campaign.bridge import CONFIG_FILE, bridge_segment
 
@@ -71,7 +78,7 @@ def bridge_preflight_job(campaign, paths: RunPaths, history: list[dict]) -> dict
             "files": {CONFIG_FILE: segment["files"][CONFIG_FILE]}, "result_file": RESULT_FILE}
 
 
-def reference_preflight_job(campaign, layout: Layout, data_path: list[str],
+def reference_preflight_job(campaign: Campaign, layout: Layout, data_path: list[str],
                             history: list[dict]) -> dict[str, Any]:
     from operators.campaign.reference import CONFIG_FILE, reference_segment
 
@@ -86,13 +93,13 @@ def reference_preflight_job(campaign, layout: Layout, data_path: list[str],
 class PreflightOperator(ShipsCode, SlurmJobOperator):
     """The campaign's preflight job; fails without retry on a configuration error."""
 
-    def __init__(self, *, campaign, **kwargs: Any) -> None:
+    def __init__(self, *, campaign: Campaign, **kwargs: Any) -> None:
         kwargs["retries"] = 0  # a configuration error is never retried
         super().__init__(ssh_conn_id=campaign.cluster.ssh_conn_id, command="true",
                          result_file=RESULT_FILE, **kwargs)
         self.campaign = campaign
 
-    def execute(self, context) -> Any:
+    def execute(self, context: Context) -> Any:
         layout = Layout(RunPaths.for_campaign(self.campaign))
         train_iters = int(context["params"].get("train_iters")
                           or self.campaign.training.train_iters)
@@ -114,7 +121,7 @@ class PreflightOperator(ShipsCode, SlurmJobOperator):
         self.environment = {**kwargs["environment"], **self.environment}  # + PYTHONPATH
         return super().execute(context)
 
-    def _complete(self, context, event: dict[str, Any]) -> Any:
+    def _complete(self, context: Context, event: dict[str, Any]) -> Any:
         try:
             return super()._complete(context, event)
         except SlurmJobFailed as exc:
@@ -127,7 +134,7 @@ class PreflightOperator(ShipsCode, SlurmJobOperator):
                 f"(check {result.get('failed_check')!r}; Slurm: {str(exc).splitlines()[0]})"
             ) from exc
 
-    def _result(self, context) -> dict | None:
+    def _result(self, context: Context) -> dict | None:
         ti = context["ti"]
         info = ti.xcom_pull(task_ids=self.task_id, key=XCOM_JOB, map_indexes=ti.map_index) or {}
         if not info.get("run_dir"):

@@ -10,6 +10,7 @@ the dataset and the schedule. A segment is cut by ``exit_duration_in_mins``
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.layout import Layout
@@ -17,10 +18,13 @@ from operators.campaign.plan import segment_exit_minutes, segment_job_options
 from operators.campaign.stages import stage_job
 from operators.slurm.operator import python_module_command
 
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
+
 CONFIG_FILE = "run.json"
 
 
-def run_config(campaign, layout: Layout, data_path: list[str], exit_minutes: float,
+def run_config(campaign: Campaign, layout: Layout, data_path: list[str], exit_minutes: float,
                train_iters: int | None = None) -> dict:
     """The reference trainer's config (``jobscripts/trainer_config.py`` keys)."""
     m, t = campaign.model.reference, campaign.training
@@ -46,7 +50,7 @@ def run_config(campaign, layout: Layout, data_path: list[str], exit_minutes: flo
     }
 
 
-def reference_segment(campaign, layout: Layout, data_path: list[str], earlier_results=(),
+def reference_segment(campaign: Campaign, layout: Layout, data_path: list[str], earlier_results=(),
                       train_iters: int | None = None) -> dict:
     """Keyword arguments for one segment's ``SlurmJobOperator``."""
     minutes = segment_exit_minutes(campaign, earlier_results)

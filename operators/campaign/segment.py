@@ -10,7 +10,7 @@ advance: a segment that makes no progress must never loop.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
@@ -30,10 +30,16 @@ from operators.slurm.operator import SlurmJobOperator
 from operators.slurm.states import Outcome
 from operators.tracking.links import MlflowRunLink
 
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from operators.campaign.config import Campaign
+    from operators.slurm.hook import SlurmHook
+
 XCOM_START = "segment_start_iteration"
 
 
-def pin_manifest(hook, layout: Layout) -> dict | None:
+def pin_manifest(hook: SlurmHook, layout: Layout) -> dict | None:
     """Pin the dataset at the first segment; later segments refuse a different one."""
     from jobscripts import manifest as manifests
 
@@ -54,7 +60,7 @@ class TrainingSegmentOperator(SlurmJobOperator):
 
     operator_extra_links = (*SlurmJobOperator.operator_extra_links, MlflowRunLink())
 
-    def __init__(self, *, campaign, segment: int, **kwargs: Any) -> None:
+    def __init__(self, *, campaign: Campaign, segment: int, **kwargs: Any) -> None:
         super().__init__(
             ssh_conn_id=campaign.cluster.ssh_conn_id, command="true", segment=segment,
             # A job that hit its time limit after saving made progress: that is success.
@@ -98,7 +104,7 @@ class TrainingSegmentOperator(SlurmJobOperator):
                     f"{fields[p]} {p}: no " + " or ".join(
                         f for f in (p + ".bin", p + ".idx") if f in absent) for p in missing))
 
-    def execute(self, context) -> Any:
+    def execute(self, context: Context) -> Any:
         params = context["params"]
         allowed = int(params.get("segments_per_run") or self.campaign.segments.max_per_run)
         if self.segment > allowed:
@@ -142,7 +148,7 @@ class TrainingSegmentOperator(SlurmJobOperator):
         self.command, self.job = kwargs["command"], kwargs["job"]
         self.environment, self.files = kwargs["environment"], kwargs["files"]
 
-    def _track(self, context, layout: Layout, summary: dict[str, Any]) -> None:
+    def _track(self, context: Context, layout: Layout, summary: dict[str, Any]) -> None:
         """MLflow gets the segment; a tracking failure must not fail the training."""
         from operators.campaign.tracking import track_segment
 
@@ -152,7 +158,7 @@ class TrainingSegmentOperator(SlurmJobOperator):
         except Exception:  # noqa: BLE001 - logged, the spool keeps what it can
             self.log.exception("tracking segment %s in MLflow failed", self.segment)
 
-    def _rendered_files(self, context) -> dict[str, str]:
+    def _rendered_files(self, context: Context) -> dict[str, str]:
         run_dir = context["ti"].xcom_pull(task_ids=self.task_id, key="slurm_job")["run_dir"]
         from operators.campaign import bridge, reference
         from operators.slurm.hook import SCRIPT_NAME  # paramiko: not at DAG parse
@@ -161,7 +167,7 @@ class TrainingSegmentOperator(SlurmJobOperator):
         found = {n: self.hook.read_bytes(f"{run_dir}/{n}").decode() for n in names}
         return {n: text for n, text in found.items() if text}
 
-    def _complete(self, context, event: dict[str, Any]) -> Any:
+    def _complete(self, context: Context, event: dict[str, Any]) -> Any:
         summary = super()._complete(context, event)  # raises unless success or time limit
         layout = self._layout()
         before = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_START) or 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from operators.campaign.layout import Layout
 from operators.campaign.paths import RunPaths
@@ -30,6 +30,12 @@ from operators.slurm.operator import XCOM_JOB, SlurmJobOperator
 from operators.slurm.trigger import success_summary
 from operators.tracking.artifacts import CONFIGS, DATA, EVAL, REPORTS
 from operators.tracking.links import MlflowRunLink
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from operators.campaign.config import Campaign
+    from operators.slurm.hook import SlurmHook
 
 RESULTS = "results"  # the result JSON of a stage that is neither a gate nor an evaluation
 # Only the pages and their styles: GX's fonts and images are 4 MB of every Data Docs site.
@@ -60,7 +66,7 @@ def stage_sources(stage: str, layout: Layout) -> list[Source]:
     }.get(stage, [])
 
 
-def _tree(hook, source: Source) -> dict[str, bytes]:
+def _tree(hook: SlurmHook, source: Source) -> dict[str, bytes]:
     """The folder's pages, newest first, until ``MAX_TREE_BYTES``."""
     files = [f for f in hook.list_files(source.remote) if f[0].endswith(DOC_SUFFIXES)]
     picked, total = {}, 0
@@ -73,7 +79,7 @@ def _tree(hook, source: Source) -> dict[str, bytes]:
     return picked
 
 
-def stage_files(hook, layout: Layout, stage: str, result: Any) -> dict[str, bytes | str]:
+def stage_files(hook: SlurmHook, layout: Layout, stage: str, result: Any) -> dict[str, bytes | str]:
     """Artifact path -> content for one stage's child run (the job's script and log aside)."""
     files: dict[str, bytes | str] = {}
     if result is not None:
@@ -94,12 +100,12 @@ class CampaignStageOperator(SlurmJobOperator):
 
     operator_extra_links = (*SlurmJobOperator.operator_extra_links, MlflowRunLink())
 
-    def __init__(self, *, campaign, stage: str, **kwargs: Any) -> None:
+    def __init__(self, *, campaign: Campaign, stage: str, **kwargs: Any) -> None:
         super().__init__(ssh_conn_id=campaign.cluster.ssh_conn_id, **kwargs)
         self.campaign = campaign
         self.stage = stage
 
-    def _complete(self, context, event: dict[str, Any]) -> Any:
+    def _complete(self, context: Context, event: dict[str, Any]) -> Any:
         try:
             summary = super()._complete(context, event)
         except SlurmJobFailed:
@@ -108,7 +114,7 @@ class CampaignStageOperator(SlurmJobOperator):
         self._track(context, event, summary)
         return summary
 
-    def _failed_summary(self, context, event: dict[str, Any]) -> dict[str, Any]:
+    def _failed_summary(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """What the success summary would hold, for a job that failed: a failed step still
         writes its result JSON (jobscripts/common.py), e.g. every check of a failed gate."""
         ti = context["ti"]
@@ -118,7 +124,8 @@ class CampaignStageOperator(SlurmJobOperator):
             result = self.hook.read_json(posixpath.join(info["run_dir"], self.result_file))
         return success_summary(event, info.get("run_dir"), info.get("log_path"), result)
 
-    def _track(self, context, event: dict[str, Any], summary: dict[str, Any] | None) -> None:
+    def _track(self, context: Context, event: dict[str, Any],
+               summary: dict[str, Any] | None) -> None:
         """MLflow gets the stage (``summary`` None: its job failed); a tracking failure must
         not change the stage's outcome."""
         from operators.campaign.tracking import track_stage

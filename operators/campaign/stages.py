@@ -7,15 +7,20 @@ command runs a ``jobscripts`` entry point with the cluster's Python
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jobscripts.hf_fetch import parse_hf_uri
 from operators.campaign.layout import RESULT_FILE, Layout
 from operators.slurm.operator import python_module_command
+
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
 
 MERGED_PREFIX = "corpus"  # -> <data dir>/corpus_text_document.bin/.idx
 EVAL_DOCUMENTS = 32  # held-out documents scored per evaluation (the split's first ones)
 
 
-def stage_job(campaign, cpus: int | None = None) -> dict:
+def stage_job(campaign: Campaign, cpus: int | None = None) -> dict:
     """sbatch options shared by the CPU stages: the campaign's partition and account."""
     c = campaign.cluster
     job = {name: getattr(c, name) for name in ("partition", "account", "qos")
@@ -28,7 +33,7 @@ def stage_job(campaign, cpus: int | None = None) -> dict:
     return job
 
 
-def _stage(campaign, module: str, *args: object, cpus: int | None = None) -> dict:
+def _stage(campaign: Campaign, module: str, *args: object, cpus: int | None = None) -> dict:
     # The campaign's environment is the cluster's for every job of it, not only training:
     # ingest needs AWS_ENDPOINT_URL / AWS_CONFIG_FILE, HF_HUB_OFFLINE and the like too.
     return {"command": python_module_command(module, *args, "--result", RESULT_FILE),
@@ -36,7 +41,7 @@ def _stage(campaign, module: str, *args: object, cpus: int | None = None) -> dic
             "environment": dict(campaign.cluster.environment)}
 
 
-def demo_corpus(campaign, layout: Layout) -> dict:
+def demo_corpus(campaign: Campaign, layout: Layout) -> dict:
     return _stage(campaign, "jobscripts.demo_corpus", "--output-dir", layout.corpus)
 
 
@@ -52,7 +57,7 @@ def ingest_source_args(source: str, layout: Layout) -> list[str]:
     return ["--input", source]
 
 
-def ingest(campaign, layout: Layout) -> dict:
+def ingest(campaign: Campaign, layout: Layout) -> dict:
     d = campaign.data
     args = [*ingest_source_args(d.source, layout), "--output-dir", layout.ingest,
             "--min-chars", d.min_doc_chars, "--max-chars", d.max_doc_chars]
@@ -61,7 +66,7 @@ def ingest(campaign, layout: Layout) -> dict:
     return _stage(campaign, "jobscripts.ingest", *args)
 
 
-def raw_gate(campaign, layout: Layout) -> dict:
+def raw_gate(campaign: Campaign, layout: Layout) -> dict:
     d, g = campaign.data, campaign.data.gate
     return _stage(campaign, "jobscripts.raw_gate", "--input", layout.jsonl,
                   "--output-dir", layout.raw_gate, "--sample-size", g.sample_size,
@@ -71,7 +76,7 @@ def raw_gate(campaign, layout: Layout) -> dict:
                   "--max-nonprintable-share", g.max_nonprintable_share)
 
 
-def tokenizer(campaign, layout: Layout) -> dict:
+def tokenizer(campaign: Campaign, layout: Layout) -> dict:
     t = campaign.data.tokenizer
     if t.train is not None:
         args = ["--input", layout.jsonl, "--vocab-size", t.train.vocab_size]
@@ -80,7 +85,7 @@ def tokenizer(campaign, layout: Layout) -> dict:
     return _stage(campaign, "jobscripts.train_tokenizer", "--output-dir", layout.tokenizer, *args)
 
 
-def tokenize(campaign, layout: Layout) -> dict:
+def tokenize(campaign: Campaign, layout: Layout) -> dict:
     workers = campaign.data.tokenize_workers
     return _stage(campaign, "jobscripts.tokenize_megatron", "--input", layout.jsonl,
                   "--tokenizer", layout.tokenizer, "--output-dir", layout.tokens,
@@ -89,12 +94,12 @@ def tokenize(campaign, layout: Layout) -> dict:
                   "--workers", workers, "--merge", MERGED_PREFIX, cpus=workers)
 
 
-def token_gate(campaign, layout: Layout, ingest_result: str) -> dict:
+def token_gate(campaign: Campaign, layout: Layout, ingest_result: str) -> dict:
     return _stage(campaign, "jobscripts.token_gate", "--dataset-dir", layout.tokens,
                   "--ingest-result", ingest_result, "--output-dir", layout.token_gate)
 
 
-def export(campaign, layout: Layout) -> dict:
+def export(campaign: Campaign, layout: Layout) -> dict:
     """Hugging Face safetensors from the latest complete checkpoint, verified after writing."""
     args = ["--checkpoint-root", layout.checkpoints, "--output", layout.hf_export,
             "--tokenizer", layout.tokenizer]
@@ -103,7 +108,7 @@ def export(campaign, layout: Layout) -> dict:
     return _stage(campaign, "jobscripts.export_hf", *args)
 
 
-def heldout_data_args(campaign, layout: Layout) -> list[str]:
+def heldout_data_args(campaign: Campaign, layout: Layout) -> list[str]:
     """Where evaluation finds the documents training never saw: the same prefixes the
     segments train on (the data stage's manifest, or the campaign's own prefixes), split as
     ``data.split`` splits them (jobscripts/eval_data.py picks the test or validation part)."""
@@ -114,7 +119,7 @@ def heldout_data_args(campaign, layout: Layout) -> list[str]:
     return ["--manifest", d.manifest or layout.manifest]
 
 
-def evaluate(campaign, layout: Layout) -> dict:
+def evaluate(campaign: Campaign, layout: Layout) -> dict:
     """Perplexity and bits per byte on held-out documents, plus sample completions."""
     backend = "transformers" if campaign.model.reference is not None else "vllm"
     return _stage(campaign, "jobscripts.evaluate", "--model", layout.hf_export,

@@ -7,7 +7,12 @@ epochs over the dataset, and tokens per parameter against Chinchilla's ~20 (Hoff
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from operators.campaign.rules import KNOWN_RECIPES
+
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
 
@@ -24,7 +29,7 @@ def reference_params(ref, vocab_size: int | None) -> tuple[int, bool]:
     return count + 2 * vocab_size * h, True
 
 
-def model_params(campaign) -> tuple[float | None, str]:
+def model_params(campaign: Campaign) -> tuple[float | None, str]:
     """(parameter count or None, how it was obtained)."""
     model = campaign.model
     if model.reference is not None:
@@ -43,7 +48,7 @@ def _human(n: float) -> str:
     return f"{n:.3g}"
 
 
-def summary(campaign, dataset_tokens: int | None = None) -> str:
+def summary(campaign: Campaign, dataset_tokens: int | None = None) -> str:
     c, t, k, s = campaign.cluster, campaign.training, campaign.checkpoint, campaign.segments
     tokens = t.train_iters * t.global_batch_size * t.seq_length
     params, how = model_params(campaign)

@@ -17,18 +17,25 @@ import tempfile
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from operators.campaign.layout import Layout
 from operators.campaign.remote import read_text, write_file
 from operators.tracking import names
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from operators.campaign.config import Campaign
+    from operators.slurm.hook import SlurmHook
+    from operators.tracking.tracker import Tracker
 
 SPOOL_ROOT_ENV = "PP_TRACKING_SPOOL"  # where records wait while MLflow is down
 JOB_LOG_LIMIT = 8 << 20  # a stage's job log is uploaded up to its last 8 MiB
 EVALUATE_STAGE = "evaluate"  # its figures also go on the campaign's run
 
 
-def open_tracker(campaign):
+def open_tracker(campaign: Campaign):
     """The campaign's :class:`Tracker`, or None when tracking is off."""
     if not campaign.tracking.enabled:
         return None
@@ -44,13 +51,14 @@ def open_tracker(campaign):
     return Tracker(make_client(tracking_settings(conn)), root / campaign.name)
 
 
-def experiment_name(campaign, tracker) -> str:
+def experiment_name(campaign: Campaign, tracker: Tracker) -> str:
     settings = getattr(tracker.client, "settings", None)
     return (campaign.tracking.experiment or (settings.experiment if settings else None)
             or campaign.name)
 
 
-def campaign_run(tracker, campaign, hook, layout: Layout) -> str | None:
+def campaign_run(tracker: Tracker, campaign: Campaign, hook: SlurmHook,
+                 layout: Layout) -> str | None:
     """The campaign's parent run id, created on first use and stored on the cluster."""
     stored = (read_text(hook, layout.mlflow_run_id) or "").strip() or None
     run_id = tracker.campaign_run(experiment_name(campaign, tracker), campaign.name, stored,
@@ -61,7 +69,7 @@ def campaign_run(tracker, campaign, hook, layout: Layout) -> str | None:
     return run_id
 
 
-def _log_files(tracker, run_id: str | None, files: Mapping[str, bytes | str]) -> None:
+def _log_files(tracker: Tracker, run_id: str | None, files: Mapping[str, bytes | str]) -> None:
     """``files`` (artifact path -> content) as one upload per top-level folder, not per file:
     a GX Data Docs tree is dozens of files. Empty contents (a file that was not there) are
     left out."""
@@ -78,7 +86,7 @@ def _log_files(tracker, run_id: str | None, files: Mapping[str, bytes | str]) ->
             tracker.log_artifact(run_id, entry, entry.name if entry.is_dir() else None)
 
 
-def _link_run(tracker, ti, run_id: str | None) -> None:
+def _link_run(tracker: Tracker, ti, run_id: str | None) -> None:
     """The task's "MLflow run" extra link."""
     from operators.tracking.links import MlflowRunLink, mlflow_run_url
 
@@ -89,7 +97,7 @@ def _link_run(tracker, ti, run_id: str | None) -> None:
                      value=mlflow_run_url(tracker.client.tracking_uri, experiment, real))
 
 
-def _task_child(tracker, parent: str | None, ti, tags: Mapping[str, str]) -> str | None:
+def _task_child(tracker: Tracker, parent: str | None, ti, tags: Mapping[str, str]) -> str | None:
     """This task instance's child run of ``parent``, keyed by DAG run, task and map index but
     not the try: a retry continues the same run."""
     child = tracker.child_run(parent, f"{ti.task_id} ({ti.run_id})", tags=tags,
@@ -105,7 +113,7 @@ def _job_start_ms(summary: dict[str, Any]) -> int | None:
     return int(datetime.fromisoformat(start).timestamp() * 1000) if start else None
 
 
-def _log_job(tracker, child: str | None, hook, summary: dict[str, Any],
+def _log_job(tracker: Tracker, child: str | None, hook: SlurmHook, summary: dict[str, Any],
              files: Mapping[str, bytes | str], *, log: str | None = None, step: int = 0,
              status: str = "FINISHED") -> None:
     """A finished job on its child run: Slurm accounting, the job script, the job log (the
@@ -135,8 +143,8 @@ def _segment_files(files: Mapping[str, str]) -> dict[str, str]:
             for name, text in files.items()}
 
 
-def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, Any],
-                  files: dict[str, str]) -> None:
+def track_segment(campaign: Campaign, hook: SlurmHook, layout: Layout, context: Context,
+                  summary: dict[str, Any], files: dict[str, str]) -> None:
     """Metrics, accounting and artifacts of one finished segment."""
     from jobscripts import vocabulary
     from operators.campaign import logparse
@@ -170,7 +178,7 @@ def track_segment(campaign, hook, layout: Layout, context, summary: dict[str, An
              step=result.get("end_iteration") or 0)
 
 
-def _log_evaluation(tracker, runs: tuple[str | None, ...], hook, layout: Layout,
+def _log_evaluation(tracker: Tracker, runs: tuple[str | None, ...], hook: SlurmHook, layout: Layout,
                     summary: dict[str, Any]) -> None:
     """An evaluation's figures on its child run and the campaign's, at step = the campaign's
     checkpoint iteration (the one that was exported), so several evaluations make a curve."""
@@ -186,8 +194,9 @@ def _log_evaluation(tracker, runs: tuple[str | None, ...], hook, layout: Layout,
         tracker.log_values(run_id, values, step, timestamp_ms=_job_start_ms(summary))
 
 
-def track_stage(campaign, hook, layout: Layout, context, stage: str, summary: dict[str, Any],
-                files: Mapping[str, bytes | str], status: str = "FINISHED") -> None:
+def track_stage(campaign: Campaign, hook: SlurmHook, layout: Layout, context: Context,
+                stage: str, summary: dict[str, Any], files: Mapping[str, bytes | str],
+                status: str = "FINISHED") -> None:
     """A non-training stage's child run (tag ``pp.stage``): its job, ``files`` (artifact path
     -> content: result JSON, reports, manifest...), ended with ``status``; an evaluation's
     figures also on the campaign's run."""
@@ -204,7 +213,7 @@ def track_stage(campaign, hook, layout: Layout, context, stage: str, summary: di
     _log_job(tracker, child, hook, summary, files, status=status)
 
 
-def register(campaign, hook, layout: Layout, iteration: int,
+def register(campaign: Campaign, hook: SlurmHook, layout: Layout, iteration: int,
              evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
     """Register the exported model with lineage tags and the alias ``candidate``.
 

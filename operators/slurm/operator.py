@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, literal
 
@@ -26,6 +26,9 @@ from operators.slurm.parse import JobRecord
 from operators.slurm.spec import ContainerSpec, JobSpec
 from operators.slurm.states import Outcome, SettleGate, classify
 from operators.slurm.trigger import SlurmJobTrigger, record_payload, success_summary
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
 
 # Jobs name the cluster's Python through this variable, set from the connection's
 # ``remote_python`` at submission: DAGs are written before anyone knows that path.
@@ -150,11 +153,11 @@ class SlurmJobOperator(BaseOperator):
         return self._hook
 
     # -- submission ------------------------------------------------------------
-    def job_key(self, context) -> str:
+    def job_key(self, context: Context) -> str:
         ti = context["ti"]
         return job_key(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, self.segment)
 
-    def execute(self, context) -> Any:
+    def execute(self, context: Context) -> Any:
         key = self.job_key(context)
         # Validate before any SSH: a bad spec fails here, naming its field.
         environment = {PYTHON_ENV: self.hook.settings.remote_python, **self.environment}
@@ -230,7 +233,7 @@ class SlurmJobOperator(BaseOperator):
         except (ClusterUnreachable, SlurmCommandError):
             return None
 
-    def _persist(self, context, job_id: str, log_path: str, run_dir: str) -> None:
+    def _persist(self, context: Context, job_id: str, log_path: str, run_dir: str) -> None:
         ti = context["ti"]
         settings = self.hook.settings
         ti.xcom_push(key=XCOM_JOB, value={"job_id": job_id, "log_path": log_path,
@@ -266,10 +269,10 @@ class SlurmJobOperator(BaseOperator):
                         "record": record_payload(record)}
 
     # -- completion ------------------------------------------------------------
-    def execute_complete(self, context, event: dict[str, Any]) -> Any:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         return self._complete(context, event)
 
-    def _complete(self, context, event: dict[str, Any]) -> Any:
+    def _complete(self, context: Context, event: dict[str, Any]) -> Any:
         job_id = event["job_id"]
         self._job_id = job_id
         info = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_JOB,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator
 
 from operators.slurm.errors import SlurmJobFailed
 from operators.slurm.states import Outcome, classify
 from operators.slurm.trigger import SlurmJobTrigger
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
 
 
 class SlurmJobSensor(BaseSensorOperator):
@@ -30,13 +33,13 @@ class SlurmJobSensor(BaseSensorOperator):
             raise SlurmJobFailed(f"Slurm job {self.job_id} ended {state} {detail}".rstrip())
         return outcome is Outcome.SUCCESS
 
-    def poke(self, context) -> bool:
+    def poke(self, context: Context) -> bool:
         from operators.slurm.hook import SlurmHook  # paramiko: keep DAG parsing light
 
         record = SlurmHook(self.ssh_conn_id).describe(str(self.job_id))
         return record is not None and self._check(record.state, record.state_detail)
 
-    def execute(self, context) -> Any:
+    def execute(self, context: Context) -> Any:
         if not self.deferrable:
             return super().execute(context)
         if self.poke(context):
@@ -45,7 +48,7 @@ class SlurmJobSensor(BaseSensorOperator):
                                            poll_interval=self.poll_interval),
                    method_name="execute_complete")
 
-    def execute_complete(self, context, event: dict[str, Any]) -> None:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
         if event["status"] != "terminal":
             raise SlurmJobFailed(event.get("message", "polling failed"))
         self._check(event["record"]["state"], event["record"]["state_detail"])

@@ -256,6 +256,7 @@ cmd_sync_env() {
     echo "$sum" >"$JOB_VENV/.lock.sha256"
   fi
   install_project "$py"
+  bash "$REPO_ROOT/docker/bridge_venv.sh"  # the train.preflight venv (Bridge 0.6.2, Python 3.12)
 }
 
 # Built from a scratch copy: setuptools writes build/ and *.egg-info next to the sources, and the

@@ -19,9 +19,12 @@ from typing import TYPE_CHECKING
 from airflow.sdk import DAG, Asset, Param, TaskGroup, chain, task
 
 from operators.campaign import stages
+from operators.campaign.code_ship import CampaignJobOperator
 from operators.campaign.layout import RESULT_FILE, Layout
 from operators.campaign.naming import DAG_PREFIX, dag_id  # noqa: F401 - DAG_PREFIX re-exported
 from operators.campaign.paths import RunPaths
+from operators.campaign.preflight import TASK_ID as PREFLIGHT_TASK
+from operators.campaign.preflight import PreflightOperator
 from operators.campaign.segment import TrainingSegmentOperator
 from operators.campaign.stage_operator import CampaignStageOperator
 from operators.campaign.summary import summary
@@ -94,8 +97,7 @@ def _stage_job(campaign: Campaign, task_id: str, kwargs: dict, retry: dict,
     if campaign.tracking.enabled:
         return CampaignStageOperator(task_id=task_id, campaign=campaign, stage=task_id,
                                      **kwargs, **retry, **extra)
-    return SlurmJobOperator(task_id=task_id, ssh_conn_id=campaign.cluster.ssh_conn_id,
-                            **kwargs, **retry, **extra)
+    return CampaignJobOperator(task_id=task_id, campaign=campaign, **kwargs, **retry, **extra)
 
 
 def _data_stage(campaign: Campaign, layout: Layout, retry: dict):
@@ -207,13 +209,16 @@ def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: 
         data = _data_stage(campaign, layout, _retry_args(r.data)) if campaign.data.source \
             else None
         with TaskGroup("train") as train:
+            # One place decides "this config will run", before any training job is queued.
+            preflight = PreflightOperator(task_id=PREFLIGHT_TASK, campaign=campaign,
+                                          trigger_rule=TRIGGER_RULE_AFTER_DATA)
             segments = [
                 TrainingSegmentOperator(task_id=f"segment_{i}", campaign=campaign, segment=i,
                                         trigger_rule=TRIGGER_RULE_AFTER_DATA,
                                         **_retry_args(r.train))
                 for i in range(1, campaign.segments.max_per_run + 1)
             ]
-            chain(*segments)
+            chain(preflight, *segments)
         if data is not None:
             data >> train
         train >> _finish_stage(campaign, layout, _retry_args(r.export))[0]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from jobscripts.job_files import SEGMENT_RESULT
+from operators.campaign.code_ship import ShipsCode, with_pythonpath
 from operators.campaign.layout import Layout
 from operators.campaign.paths import RunPaths
 from operators.campaign.plan import SegmentNoProgress, check_progress
@@ -55,7 +56,7 @@ def pin_manifest(hook: SlurmHook, layout: Layout) -> dict | None:
     return current
 
 
-class TrainingSegmentOperator(SlurmJobOperator):
+class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
     """Segment ``segment`` of a DAG run: resume from the last checkpoint, train, save."""
 
     operator_extra_links = (*SlurmJobOperator.operator_extra_links, MlflowRunLink())
@@ -67,6 +68,7 @@ class TrainingSegmentOperator(SlurmJobOperator):
             success_outcomes=(Outcome.SUCCESS.value, Outcome.TIME_LIMIT.value),
             result_file=SEGMENT_RESULT, **kwargs)
         self.campaign = campaign
+        self._code_dir: str | None = None  # set by execute: where the shipped code is
 
     def _layout(self) -> Layout:
         return Layout(RunPaths.for_campaign(self.campaign))
@@ -123,7 +125,9 @@ class TrainingSegmentOperator(SlurmJobOperator):
         history = read_history(self.hook, layout)
         data_path = self._data_path(layout, manifest)
         self._require_data(data_path, "the dataset manifest" if manifest is not None else None)
+        self._code_dir = self.ship_code()  # the DAG's own jobscripts, on PYTHONPATH
         self._render_segment(layout, data_path, history, train_iters)
+        self.environment = with_pythonpath(self.environment, self._code_dir)
         context["ti"].xcom_push(key=XCOM_START, value=before)
         self.log.info("segment %s resumes at iteration %s of %s", self.segment, before,
                       train_iters)
@@ -143,7 +147,8 @@ class TrainingSegmentOperator(SlurmJobOperator):
             from operators.campaign.bridge import bridge_segment
 
             paths = RunPaths.for_campaign(self.campaign, data_prefixes=data_path,
-                                          tokenizer_dir=layout.tokenizer)
+                                          tokenizer_dir=layout.tokenizer,
+                                          code_dir=self._code_dir)
             kwargs = bridge_segment(self.campaign, paths, history)
         self.command, self.job = kwargs["command"], kwargs["job"]
         self.environment, self.files = kwargs["environment"], kwargs["files"]

@@ -23,6 +23,7 @@ import json
 import posixpath
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from operators.campaign.code_ship import CampaignJobOperator
 from operators.campaign.layout import Layout
 from operators.campaign.paths import RunPaths
 from operators.slurm.errors import SlurmJobFailed
@@ -94,15 +95,14 @@ def stage_files(hook: SlurmHook, layout: Layout, stage: str, result: Any) -> dic
     return files
 
 
-class CampaignStageOperator(SlurmJobOperator):
+class CampaignStageOperator(CampaignJobOperator):
     """One non-training stage of ``campaign`` (``stage``: ``raw_gate``, ``export``, ...) as a
     Slurm job; the other arguments are ``SlurmJobOperator``'s (see operators/campaign/stages)."""
 
     operator_extra_links = (*SlurmJobOperator.operator_extra_links, MlflowRunLink())
 
     def __init__(self, *, campaign: Campaign, stage: str, **kwargs: Any) -> None:
-        super().__init__(ssh_conn_id=campaign.cluster.ssh_conn_id, **kwargs)
-        self.campaign = campaign
+        super().__init__(campaign=campaign, **kwargs)
         self.stage = stage
 
     def _complete(self, context: Context, event: dict[str, Any]) -> Any:

@@ -34,7 +34,8 @@ def test_demo_dag_shape(bag) -> None:
     assert set(dag.params.keys()) == {"train_iters", "segments_per_run", "skip_data_stage",
                                       "dry_run"}
     order = ["data.check", "data.demo_corpus", "data.ingest", "data.raw_gate", "data.tokenizer",
-             "data.tokenize", "data.token_gate", "train.segment_1", "train.segment_2",
+             "data.tokenize", "data.token_gate", "train.preflight", "train.segment_1",
+             "train.segment_2",
              "train.segment_3", "train.segment_4", "finished", "export", "evaluate", "register",
              "completed"]
     assert sorted(t.task_id for t in dag.tasks) == sorted(order)
@@ -44,6 +45,9 @@ def test_demo_dag_shape(bag) -> None:
     assert [a.uri for a in token_gate.outlets] == [
         "file://slurm-local/home/pretrain/pp-campaigns/demo/data/manifest.json"]
     assert dag.get_task("train.segment_1").retries == 2
+    # The reference path's own checks decide first; a configuration error is never retried.
+    preflight = dag.get_task("train.preflight")
+    assert preflight.retries == 0 and preflight.upstream_task_ids == {"data.token_gate"}
 
 
 def test_production_dag_trains_with_bridge_segments(bag) -> None:
@@ -54,6 +58,9 @@ def test_production_dag_trains_with_bridge_segments(bag) -> None:
     segments = [t for t in dag.tasks if isinstance(t, TrainingSegmentOperator)]
     assert segments and all(t.campaign.model.recipe == "llama31_8b" for t in segments)
     assert "data.demo_corpus" not in dag.task_ids and "data.ingest" in dag.task_ids
+    preflight = dag.get_task("train.preflight")
+    assert preflight.retries == 0 and dag.get_task("train.segment_1").retries == 3
+    assert preflight.downstream_task_ids == {"train.segment_1"}
 
 
 def test_parsing_imports_nothing_heavy() -> None:

@@ -281,9 +281,10 @@ class SlurmHook:
         _log_skipped(program(command), rows.skipped)
         return rows.records
 
-    def describe(self, job_id: str) -> JobRecord | None:
-        """The job's state, as :func:`operators.slurm.query.status` reads it."""
-        found = query.run_blocking(query.status([job_id]),
+    def describe(self, job_id: str, name: str | None = None) -> JobRecord | None:
+        """The job's state, as :func:`operators.slurm.query.status` reads it; with ``name``
+        (its key), rows of that id under another name are not taken for it."""
+        found = query.run_blocking(query.status([job_id], {job_id: name}),
                                    lambda line: query.Result(*self.run(line)))
         _log_skipped("sacct/squeue", found.skipped)
         if found.degraded:

@@ -8,7 +8,7 @@ output: a line that is not one of Slurm's rows is skipped and reported in
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -92,16 +92,34 @@ def _exit(value: str) -> tuple[int | None, int | None]:
     return _int(code), _int(sig)
 
 
-def read_sacct(output: str) -> Rows:
+# Which rows are ours: (job id as printed, job name) -> keep. Slurm reuses job ids after a
+# controller reset, so sacct --jobs=45 can print another user's old job 45 beside ours
+# (seen on the local cluster: an old "allocation" job 45 beside het job 45+0, 45+1).
+Ours = Callable[[str, str], bool]
+
+
+def by_name(names: Mapping[str, str | None]) -> Ours:
+    """Rows whose name is the one their job (by base id) is known by; any row for a job
+    whose name is not known (a sensor given only an id)."""
+    def keep(job_id: str, name: str) -> bool:
+        parsed = parse_job_id(job_id)
+        wanted = names.get(job_id) or (names.get(parsed.base) if parsed else None)
+        return wanted is None or wanted == name
+    return keep
+
+
+def read_sacct(output: str, ours: Ours | None = None) -> Rows:
     """Rows of ``sacct --parsable2 --noheader --format=<SACCT_FIELDS>`` by job id.
 
     Step rows (``123.0``, ``123.extern``) are skipped, except that ``123.batch``
     supplies the exit code of the script when the allocation row has none. A
     requeued job appears once per run; the last row wins, as sacct orders them.
+    Allocation rows that are not ``ours`` are left out, with their steps.
     """
     jobs: dict[str, dict[str, str]] = {}
     batch_exit: dict[str, str] = {}
     skipped = []
+    theirs: set[str] = set()
     for line in output.splitlines():
         if not line.strip():
             continue
@@ -111,10 +129,14 @@ def read_sacct(output: str) -> Rows:
             skipped.append(line)
             continue
         row = dict(zip(SACCT_FIELDS, cells, strict=True))
-        if step == "batch":
-            batch_exit[job_id] = row["ExitCode"]
-        elif not step:
+        if not step:  # steps follow their allocation's row
+            if ours is not None and not ours(job_id, row["JobName"]):
+                theirs.add(job_id)
+                continue
+            theirs.discard(job_id)
             jobs[job_id] = row
+        elif step == "batch" and job_id not in theirs:
+            batch_exit[job_id] = row["ExitCode"]
     records = {}
     for job_id, row in jobs.items():
         base, detail = normalize_state(row["State"])
@@ -135,8 +157,8 @@ def read_sacct(output: str) -> Rows:
     return Rows(records, tuple(skipped))
 
 
-def read_squeue(output: str) -> Rows:
-    """Rows of ``squeue --noheader --format=SQUEUE_FORMAT`` by job id."""
+def read_squeue(output: str, ours: Ours | None = None) -> Rows:
+    """Rows of ``squeue --noheader --format=SQUEUE_FORMAT`` by job id (only ``ours``)."""
     records, skipped = {}, []
     for line in output.splitlines():
         if not line.strip():
@@ -146,6 +168,8 @@ def read_squeue(output: str) -> Rows:
             skipped.append(line)
             continue
         job_id, name, state, reason, nodes = cells
+        if ours is not None and not ours(job_id, name):
+            continue
         base, detail = normalize_state(state)
         records[job_id] = JobRecord(job_id=job_id, name=name, state=base, state_detail=detail,
                                     reason="" if reason == "None" else reason, nodelist=nodes,
@@ -180,6 +204,11 @@ def job_view(records: dict[str, JobRecord], job_id: str) -> JobRecord | None:
     """The record for ``job_id``; for an array or het job, one record standing for all
     its members (see :func:`combine`). An array task still pending with others
     (``123_[2-4]``) is found by its own id (``123_3``)."""
+    members = [r for k, r in records.items() if _member_of(k, job_id)]
+    if members:
+        # An exact row beside members is the array's or het job's own record in transit:
+        # sacct (22.05.8, local) printed "58|58|allocation|PENDING|..." while tasks 58_0..2 ran.
+        return combine(job_id, members)
     if job_id in records:
         return records[job_id]
     wanted = parse_job_id(job_id)
@@ -191,10 +220,7 @@ def job_view(records: dict[str, JobRecord], job_id: str) -> JobRecord | None:
             if parsed and parsed.base == wanted.base and parsed.holds_task(wanted.task):
                 return replace(record, job_id=job_id)
         return None
-    if wanted.member:
-        return None
-    members = [r for k, r in records.items() if _member_of(k, wanted.base)]
-    return combine(wanted.base, members) if members else None
+    return None
 
 
 def _member_of(key: str, base: str) -> bool:
@@ -261,9 +287,15 @@ def newest_job(records: dict[str, JobRecord], name: str) -> JobRecord | None:
 
 
 def needs_squeue(records: dict[str, JobRecord], job_id: str) -> bool:
-    """Whether sacct's view of ``job_id`` needs squeue's: unknown yet, or maybe requeued."""
+    """Whether sacct's view of ``job_id`` needs squeue's: unknown yet, maybe requeued, or
+    an array or het job that sacct reads as ended. sacct records members a little late: on
+    the local cluster (22.05.8) an array read COMPLETED from its other tasks' rows while its
+    failed task had no row yet. squeue still lists every member for MinJobAge."""
     view = job_view(records, job_id)
-    return view is None or _retryable(view.state)
+    if view is None or _retryable(view.state):
+        return True
+    grouped = any(_member_of(k, job_id) for k in records)
+    return grouped and _safe_outcome(view.state) not in (Outcome.ACTIVE, None)
 
 
 def merge_live(records: dict[str, JobRecord], live: dict[str, JobRecord]) -> dict[str, JobRecord]:

@@ -62,6 +62,7 @@ class ClusterPoller:
         self.snapshot = Snapshot()
         self.stats = PollerStats()
         self._watch: dict[str, int] = {}  # job id -> number of watchers
+        self._names: dict[str, str | None] = {}  # job id -> its name (key), where known
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -80,8 +81,10 @@ class ClusterPoller:
         return poller
 
     # -- watchers --------------------------------------------------------------
-    def watch(self, job_id: str) -> None:
+    def watch(self, job_id: str, name: str | None = None) -> None:
         self._watch[job_id] = self._watch.get(job_id, 0) + 1
+        if name is not None or job_id not in self._names:
+            self._names[job_id] = name
         self._wake.set()  # a new job gets its first status without waiting a round
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -90,6 +93,7 @@ class ClusterPoller:
         left = self._watch.get(job_id, 0) - 1
         if left <= 0:
             self._watch.pop(job_id, None)
+            self._names.pop(job_id, None)
         else:
             self._watch[job_id] = left
 
@@ -160,7 +164,7 @@ class ClusterPoller:
     # -- polling ---------------------------------------------------------------
     async def _query(self, job_ids: list[str]) -> query.Status:
         """One round of :func:`operators.slurm.query.status` on this connection."""
-        round_ = query.status(job_ids)
+        round_ = query.status(job_ids, {j: self._names.get(j) for j in job_ids})
         found = None
         try:
             line = next(round_)

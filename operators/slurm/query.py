@@ -15,12 +15,19 @@ same decisions (:func:`run_blocking` and ``ClusterPoller._query`` drive it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from operators.slurm import commands
 from operators.slurm.errors import SlurmCommandError
-from operators.slurm.parse import JobRecord, merge_live, needs_squeue, read_sacct, read_squeue
+from operators.slurm.parse import (
+    JobRecord,
+    by_name,
+    merge_live,
+    needs_squeue,
+    read_sacct,
+    read_squeue,
+)
 
 
 @dataclass(frozen=True)
@@ -46,10 +53,15 @@ Query = Generator[str, Result, Status]
 INVALID_JOB_ID = "Invalid job id specified"
 
 
-def status(job_ids: Sequence[str]) -> Query:
-    """The status of ``job_ids``; yields each command line, is sent its :class:`Result`."""
+def status(job_ids: Sequence[str], names: Mapping[str, str | None] | None = None) -> Query:
+    """The status of ``job_ids``; yields each command line, is sent its :class:`Result`.
+
+    ``names``: job id -> the job's name (its key), where known: rows of that id under
+    another name are someone else's job (a reused id), left out.
+    """
+    ours = by_name(names or {})
     sacct = yield commands.sacct_jobs(job_ids)
-    rows = read_sacct(sacct.stdout)
+    rows = read_sacct(sacct.stdout, ours)
     records, skipped, calls = rows.records, rows.skipped, 1
     degraded = None
     if sacct.returncode != 0 and not records:
@@ -60,7 +72,7 @@ def status(job_ids: Sequence[str]) -> Query:
     if unsure:  # not in sacct yet, perhaps requeued, or sacct is down: squeue knows
         squeue = yield commands.squeue_jobs(unsure)
         calls += 1
-        live = read_squeue(squeue.stdout)
+        live = read_squeue(squeue.stdout, ours)
         skipped += live.skipped
         # "Invalid job id specified" is squeue's answer that it knows none of them.
         if (squeue.returncode != 0 and not live.records and degraded

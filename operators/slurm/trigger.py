@@ -72,7 +72,8 @@ class SlurmJobTrigger(BaseTrigger):
 
     def __init__(self, ssh_conn_id: str, job_id: str, log_path: str | None = None,
                  log_offset: int = 0, poll_interval: float = 5.0,
-                 unknown_budget_s: float = 600.0, result_path: str | None = None) -> None:
+                 unknown_budget_s: float = 600.0, result_path: str | None = None,
+                 job_name: str | None = None) -> None:
         super().__init__()
         self.ssh_conn_id = ssh_conn_id
         self.job_id = job_id
@@ -81,13 +82,15 @@ class SlurmJobTrigger(BaseTrigger):
         self.poll_interval = poll_interval
         self.unknown_budget_s = unknown_budget_s
         self.result_path = result_path
+        # The job's key: a job Slurm gave the same id after a controller reset is not ours.
+        self.job_name = job_name
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "ssh_conn_id": self.ssh_conn_id, "job_id": self.job_id,
             "log_path": self.log_path, "log_offset": self.log_offset,
             "poll_interval": self.poll_interval, "unknown_budget_s": self.unknown_budget_s,
-            "result_path": self.result_path,
+            "result_path": self.result_path, "job_name": self.job_name,
         })
 
     async def _outputs(self, poller: ClusterPoller, outcome: Outcome) -> dict[str, Any]:
@@ -132,7 +135,7 @@ class SlurmJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
-        poller.watch(self.job_id)
+        poller.watch(self.job_id, self.job_name)
         seq, unknown_since, last_state = 0, None, None
         gate = SettleGate()
         try:

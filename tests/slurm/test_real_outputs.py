@@ -207,8 +207,8 @@ def test_a_round_fails_only_when_nothing_answered() -> None:
         drive(["15"], SACCT_DOWN, refused)
     # sacct failed but printed rows (a partial answer): they count.
     partial = query.Result(1, ARRAY_ONE_FAILED, "sacct: error: something\n")
-    found, sent = drive(["1"], partial)
-    assert len(sent) == 1 and job_view(found.records, "1").state == "FAILED"
+    found, sent = drive(["1"], partial, SQUEUE_UNKNOWN)
+    assert not found.degraded and job_view(found.records, "1").state == "FAILED"
 
 
 # -- small ones ----------------------------------------------------------------------------
@@ -249,3 +249,48 @@ def test_a_reused_job_id_is_not_ours() -> None:
     assert newest_job(parse_sacct(theirs), "pp-shape-array") is None
     assert newest_job(parse_sacct(ARRAY_ONE_FAILED + "\n" + theirs.splitlines()[0].replace(
         "1_0|6|", "2|8|")), "pp-shape-array").job_id == "1"
+
+
+def test_an_array_sacct_reads_as_ended_is_checked_against_squeue() -> None:
+    # local 22.05.8: polled as its tasks ended, sacct read array 33 as COMPLETED, exit 0:
+    # completed rows of other tasks and no row yet for task 1, which failed (sacct a moment
+    # later: 33_1|35|...|FAILED|7:0). squeue --array lists every task for MinJobAge.
+    from operators.slurm.parse import merge_live, needs_squeue
+
+    early = parse_sacct(ARRAY_ONE_FAILED.splitlines()[4].replace("1_2|1|", "33_2|33|"))
+    assert needs_squeue(early, "33")  # old: False, and the array read as a success
+    live = read_squeue("33_0|pp-shape-array|COMPLETED|None|vm\n"
+                       "33_1|pp-shape-array|FAILED|NonZeroExitCode|vm\n"
+                       "33_2|pp-shape-array|COMPLETED|None|vm\n").records
+    view = job_view(merge_live(early, live), "33")
+    assert (view.state, view.source) == ("FAILED", "squeue")  # provisional: sacct settles it
+    assert not needs_squeue(parse_sacct(ARRAY_ONE_FAILED.replace("FAILED|7:0", "RUNNING|0:0")),
+                            "1")  # an active array needs nothing more
+
+
+# local 22.05.8: sacct --jobs=58 while the three tasks of array 58 ran (squeue --array:
+# 58_0..58_2 RUNNING), and one round later; the array's own record, named "allocation".
+ARRAY_IN_TRANSIT = [
+    "58|58|allocation|PENDING|0:0|2026-12-01T10:15:07|2026-12-01T10:15:08|Unknown|0|vm||None",
+    "58.batch|58.batch|batch|RUNNING|0:0|2026-12-01T10:15:08|2026-12-01T10:15:08|Unknown|0|vm|"
+    "cpu=1,mem=0,node=1|",
+]
+ARRAY_58_LATER = [
+    "58_1|60|pp-dbg-b69c0140|FAILED|7:0|2026-12-01T10:15:07|2026-12-01T10:15:08|"
+    "2026-12-01T10:15:10|2|vm|billing=1,cpu=1,node=1|None",
+    "58|58|allocation|COMPLETED|0:0|2026-12-01T10:15:07|2026-12-01T10:15:08|"
+    "2026-12-01T10:15:10|2|vm||None",  # the shape the old reader took for the whole job
+]
+
+
+def test_an_arrays_own_record_in_transit_is_not_the_array() -> None:
+    from operators.slurm.parse import by_name, needs_squeue
+
+    ours = by_name({"58": "pp-dbg-b69c0140"})
+    assert read_sacct("\n".join(ARRAY_IN_TRANSIT), ours).records == {}  # not our key's row
+    assert needs_squeue(read_sacct("\n".join(ARRAY_IN_TRANSIT), ours).records, "58")
+    # Beside task rows, the array's own row does not stand for the array (old: COMPLETED).
+    view = job_view(parse_sacct("\n".join(ARRAY_58_LATER)), "58")
+    assert (view.state, view.exit_code) == ("FAILED", 7)
+    later = read_sacct("\n".join(ARRAY_58_LATER), ours).records
+    assert list(later) == ["58_1"]

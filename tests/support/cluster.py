@@ -108,3 +108,32 @@ def remote(command: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
 
 
+
+
+def stop_slurmdbd() -> None:
+    """Stop the accounting daemon (sacct then fails as on a site whose slurmdbd is down);
+    ``restart_cluster_services`` starts it again. Disrupts the cluster: flock -x."""
+    pid = int((STATE / "pids" / "slurmdbd.pid").read_text().strip())
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists(), 30, "slurmdbd to stop", 0.2)
+
+
+BASHRC = Path("/home/pretrain/.bashrc")
+BANNER = "=== Welcome to pp-local: maintenance Tue 08:00-12:00, quota 93% full | see /etc/motd ==="
+
+
+@contextlib.contextmanager
+def login_banner(extra: str = ""):
+    """The cluster user's shell prints ``BANNER`` on stdout for every command run over SSH
+    (and runs ``extra``), as login nodes do; the shell file is restored afterwards.
+    Disrupts the cluster: flock -x."""
+    original = BASHRC.read_bytes()
+    stat = BASHRC.stat()
+    try:
+        # Before Debian's "not interactive: return", so that `ssh host cmd` prints it too.
+        BASHRC.write_bytes(f"echo {BANNER!r}\n{extra}\n".encode() + original)
+        os.chown(BASHRC, stat.st_uid, stat.st_gid)
+        yield BANNER
+    finally:
+        BASHRC.write_bytes(original)
+        os.chown(BASHRC, stat.st_uid, stat.st_gid)

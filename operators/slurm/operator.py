@@ -185,8 +185,8 @@ class SlurmJobOperator(BaseOperator):
             self.defer(trigger=SlurmJobTrigger(
                 ssh_conn_id=self.ssh_conn_id, job_id=record.job_id, log_path=log_path,
                 poll_interval=self.poll_interval, unknown_budget_s=self.unknown_budget_s,
-                result_path=result_path), method_name="execute_complete")
-        return self._complete(context, self._wait_in_worker(record.job_id, log_path))
+                result_path=result_path, job_name=key), method_name="execute_complete")
+        return self._complete(context, self._wait_in_worker(record.job_id, log_path, key))
 
     def _attach_or_submit(self, spec: JobSpec, run_dir: str, key: str) -> JobRecord:
         found = self.hook.find_by_key(key)
@@ -211,7 +211,8 @@ class SlurmJobOperator(BaseOperator):
                 return again
             raise
         self.log.info("submitted Slurm job %s (key %s, run dir %s)", job_id, key, run_dir)
-        return self.hook.describe(job_id) or JobRecord(job_id=job_id, name=key, state="PENDING")
+        return (self.hook.describe(job_id, name=key)
+                or JobRecord(job_id=job_id, name=key, state="PENDING"))
 
     def _avoid_failed_nodes(self, spec: JobSpec, failed: JobRecord) -> JobSpec:
         """After NODE_FAIL/PREEMPTED/BOOT_FAIL, keep the retry off the nodes that failed."""
@@ -242,7 +243,8 @@ class SlurmJobOperator(BaseOperator):
         ti.xcom_push(key=SlurmLogLink().xcom_key, value=log_url(settings, job_id, log_path))
 
     # -- waiting in the worker (deferrable=False) -------------------------------
-    def _wait_in_worker(self, job_id: str, log_path: str) -> dict[str, Any]:
+    def _wait_in_worker(self, job_id: str, log_path: str,
+                        key: str | None = None) -> dict[str, Any]:
         offset, unknown_since, gate = 0, None, SettleGate()
         while True:
             time.sleep(self.poll_interval)
@@ -252,7 +254,7 @@ class SlurmJobOperator(BaseOperator):
                 for line in data[:cut].decode("utf-8", "replace").splitlines():
                     self.log.info("[slurm %s] %s", job_id, line)
                 offset += cut
-                record = self.hook.describe(job_id)
+                record = self.hook.describe(job_id, name=key)  # key: not a reused id
             except (ClusterUnreachable, SlurmCommandError) as exc:
                 self.log.warning("polling job %s failed: %s", job_id, exc)
                 record = None

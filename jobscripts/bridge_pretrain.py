@@ -15,7 +15,9 @@ builds Llama 3.2 1B):
 - paths in the YAML are checked before the minute-long Bridge import, and HF_HUB_OFFLINE is
   honoured (``--hf-offline`` sets it before huggingface_hub reads it at import);
 - rank 0 writes ``segment.json`` in the reference trainer's shape (jobscripts/reference_trainer.py)
-  also on failure, plus ``startup_seconds`` (job start -> first training step's setup done).
+  also on failure, plus ``startup_seconds`` (job start -> ``pretrain()``, where Bridge's exit
+  timer starts); its ``end_iteration`` is the last saved iteration;
+- after each save, rank 0 applies the campaign's retention (``--keep-last``, ``--keep-every``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from typing import Any
 
 import yaml
 
-from jobscripts.bridge_result import SegmentRecorder
+from jobscripts import checkpoints
+from jobscripts.bridge_result import JOB_START_ENV, SegmentRecorder
 from jobscripts.job_files import SEGMENT_RESULT
 from jobscripts.results import write_json_atomic
 
@@ -43,6 +46,9 @@ from jobscripts.results import write_json_atomic
 # in every family, diffusion models included); any other name falls back to it.
 _FAMILY_PACKAGES = ("llama", "qwen", "deepseek", "gemma", "glm", "gpt_oss", "nemotronh", "olmoe",
                     "moonlight", "ministral3", "kimi")
+
+# Set to 1 (tests on a CPU cluster): stop once Bridge has built the config, before pretrain().
+PREFLIGHT_ENV = "PP_BRIDGE_PREFLIGHT"
 
 FieldsOf = Callable[[Any], Mapping[str, Any] | None]
 
@@ -178,9 +184,6 @@ def run(args, overrides: list[str], tree: Mapping, recorder: SegmentRecorder) ->
     if problems:
         raise ConfigProblem(f"{args.config_file}: " + "; ".join(problems))
 
-    from megatron.bridge.training.callbacks import CallbackManager
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     config = process_config_with_overrides(config, config_filepath=args.config_file,
@@ -192,10 +195,42 @@ def run(args, overrides: list[str], tree: Mapping, recorder: SegmentRecorder) ->
 
         config.model.pipeline_dtype = torch.bfloat16
     recorder.configure(config.train.train_iters, config.model.seq_length, config.checkpoint.save)
+    if os.environ.get(PREFLIGHT_ENV) == "1":
+        # The launch chain up to here (srun, container, torchrun, the YAML applied by Bridge)
+        # without the GPU work: what a CPU-only cluster can run of a segment.
+        recorder.result["preflight"] = {"config_built": True,
+                                        "train_iters": config.train.train_iters,
+                                        "world_size": os.environ.get("WORLD_SIZE")}
+        print(f"bridge_pretrain: {PREFLIGHT_ENV}=1: config built, pretrain() not called",
+              flush=True)
+        return
+    from megatron.bridge.training.callbacks import CallbackManager
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
     manager = CallbackManager()
-    for event in ("on_train_start", "on_train_step_end", "on_eval_end", "on_checkpoint_save"):
+    for event in ("on_train_start", "on_train_step_end", "on_eval_end"):
         manager.register(event, getattr(recorder, event))
+    manager.register("on_checkpoint_save", saved_callback(recorder, args))
+    recorder.timer_started(os.environ.get(JOB_START_ENV))
     pretrain(config=config, forward_step_func=forward_step, callbacks=manager)
+
+
+def saved_callback(recorder: SegmentRecorder, args) -> Callable[[Any], None]:
+    """After each save: record it, then (rank 0 only, one deleter per job) apply the
+    campaign's retention, which Bridge's ``most_recent_k`` cannot express (``keep_every``).
+    The tracker's checkpoint and anything newer are never touched (checkpoints.py)."""
+    rank_zero = os.environ.get("RANK", "0") == "0"
+
+    def on_checkpoint_save(context) -> None:
+        recorder.on_checkpoint_save(context)
+        if rank_zero and recorder.save_dir and args.keep_last is not None:
+            removed = checkpoints.apply_retention(recorder.save_dir, args.keep_last,
+                                                  args.keep_every)
+            if removed:
+                print(f"bridge_pretrain: retention removed iterations {removed}", flush=True)
+
+    return on_checkpoint_save
 
 
 def parse_args(argv):
@@ -204,6 +239,10 @@ def parse_args(argv):
     parser.add_argument("--recipe", required=True, help="e.g. llama31_8b")
     parser.add_argument("--config-file", required=True, help="Bridge override YAML")
     parser.add_argument("--segment-result", default=SEGMENT_RESULT)
+    parser.add_argument("--keep-last", type=int, default=None,
+                        help="after each save keep the last N complete checkpoints")
+    parser.add_argument("--keep-every", type=int, default=None,
+                        help="and every checkpoint whose iteration is a multiple of M")
     parser.add_argument("--hf-offline", action="store_true",
                         help="no Hugging Face Hub access (also: HF_HUB_OFFLINE=1)")
     return parser.parse_known_args(argv)  # the rest: section.key=value overrides

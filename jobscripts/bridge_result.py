@@ -1,9 +1,13 @@
 """``segment.json`` for a Megatron Bridge segment, in the reference trainer's shape.
 
 The keys are those jobscripts/reference_trainer.py writes (its module docstring lists them),
-so one reader serves both paths; Bridge adds ``startup_seconds`` (job start -> training
-loop), which the next segment's exit-duration estimate can use. Filled by Bridge callbacks
-registered as plain functions, so this module imports nothing from Bridge or torch.
+so one reader serves both paths. ``end_iteration`` is the last *saved* iteration (the
+checkpoint tracker's), never merely the last trained step (``last_step``): a segment that
+crashed between saves has not moved the campaign. Bridge adds ``startup_seconds``: job start
+(``$PP_JOB_START``, set by the batch script) -> the call of ``pretrain()``, where Bridge's
+exit timer starts; the next segment's exit duration subtracts that, and only that. Filled
+by Bridge callbacks registered as plain functions, so this module imports nothing from
+Bridge or torch.
 """
 
 from __future__ import annotations
@@ -30,6 +34,21 @@ def _scalar(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+JOB_START_ENV = "PP_JOB_START"  # epoch seconds when the batch script started
+
+
+def startup_seconds(job_start: str | None, process_started: float) -> float:
+    """Seconds from the job's start (``$PP_JOB_START``, epoch seconds) to now; without it,
+    from this process's start (``time.monotonic()`` then), which misses the container's."""
+    try:
+        start = float(job_start) if job_start else None
+    except ValueError:
+        start = None
+    if start is not None and math.isfinite(start) and 0 < start <= time.time():
+        return time.time() - start
+    return time.monotonic() - process_started
+
+
 class SegmentRecorder:
     """Bridge callbacks (plain functions on its CallbackManager) that fill ``result``."""
 
@@ -46,7 +65,8 @@ class SegmentRecorder:
             "resumed_from": None, "fallback_reason": None, "last_train": None,
             "last_validation": None, "save_seconds": 0.0, "load_seconds": None, "saves": 0,
             "consumed_samples": None, "tokens_consumed": 0, "train_seconds": 0.0,
-            "elapsed_seconds": 0.0, "startup_seconds": None, "error": None,
+            "elapsed_seconds": 0.0, "startup_seconds": None, "last_step": None,
+            "error": None,
         }
 
     def configure(self, train_iters: int | None, seq_length: int | None,
@@ -58,7 +78,12 @@ class SegmentRecorder:
         if tracked is not None:  # what this segment resumes from
             point = {"path": str(checkpoints.checkpoint_dir(save_dir, tracked)),
                      "iteration": tracked}
-            self.result.update(resumed_from=point, checkpoint=dict(point))
+            self.result.update(resumed_from=point, checkpoint=dict(point),
+                               end_iteration=tracked)
+
+    def timer_started(self, job_start: str | None) -> None:
+        """Called just before ``pretrain()``, where Bridge starts its exit timer."""
+        self.result["startup_seconds"] = startup_seconds(job_start, self.started)
 
     def _train_state(self, context):
         return context.state.train_state
@@ -67,9 +92,11 @@ class SegmentRecorder:
         ts = self._train_state(context)
         self._start_consumed = ts.consumed_train_samples
         self._mark = time.monotonic()
-        self.result.update(start_iteration=ts.step, end_iteration=ts.step,
-                           consumed_samples=ts.consumed_train_samples,
-                           startup_seconds=self._mark - self.started)
+        # ts.step is the iteration the checkpoint loaded (0 from scratch): saved already.
+        self.result.update(start_iteration=ts.step, end_iteration=ts.step, last_step=ts.step,
+                           consumed_samples=ts.consumed_train_samples)
+        if self.result["startup_seconds"] is None:
+            self.result["startup_seconds"] = self._mark - self.started
 
     def on_train_step_end(self, context) -> None:
         ts, now = self._train_state(context), time.monotonic()
@@ -78,7 +105,7 @@ class SegmentRecorder:
         optimizer = context.optimizer
         lr = optimizer.param_groups[0]["lr"] if getattr(optimizer, "param_groups", None) else None
         loss = _scalar((context.loss_dict or {}).get("lm loss"))
-        self.result.update(end_iteration=ts.step, consumed_samples=ts.consumed_train_samples)
+        self.result.update(last_step=ts.step, consumed_samples=ts.consumed_train_samples)
         self.result["last_train"] = {"iteration": ts.step, "lm_loss": loss,
                                      "learning_rate": _scalar(lr),
                                      "grad_norm": _scalar(context.grad_norm),
@@ -101,13 +128,18 @@ class SegmentRecorder:
         self.result["save_seconds"] += now - self._mark
         self._mark = now
         self.result["saves"] += 1
+        self.result["end_iteration"] = step
         if self.save_dir:
             self.result["checkpoint"] = {
                 "path": str(checkpoints.checkpoint_dir(self.save_dir, step)), "iteration": step}
 
     def finish(self, exit_code: int | None, error: str | None) -> dict:
-        """Decide why the segment stopped (done wins), stamp the elapsed time."""
+        """Decide why the segment stopped (done wins), stamp the elapsed time. The end
+        iteration is what the tracker names now: the last save that completed."""
         r = self.result
+        tracked = checkpoints.read_tracker(self.save_dir) if self.save_dir else None
+        if tracked is not None:
+            r["end_iteration"] = tracked
         end, total = r["end_iteration"], r["train_iters"]
         if error is not None:
             reason, detail = FAILED, error

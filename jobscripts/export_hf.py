@@ -89,6 +89,27 @@ def export_reference(checkpoint: Path, staging: Path):
     return model
 
 
+def resolve_hf_model(ref: str) -> str:
+    """``--hf-model`` as a local directory holding the model's ``config.json``: a directory as
+    given, or a model id (``meta-llama/Meta-Llama-3.1-8B``, the recipe's) looked up in the
+    Hugging Face cache under ``$HF_HOME``, offline. A tokenizer folder has no config.json,
+    and compute nodes have no Hub: either fails here, naming what is missing."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if Path(ref).is_dir():
+        if not (Path(ref) / "config.json").is_file():
+            raise StepError(f"--hf-model {ref}: no config.json there (a tokenizer folder is "
+                            "not a model reference)")
+        return ref
+    cached = try_to_load_from_cache(ref, "config.json")
+    if not isinstance(cached, str):
+        raise StepError(
+            f"--hf-model {ref}: its config.json is not in the Hugging Face cache "
+            f"{constants.HF_HUB_CACHE} (HF_HOME={os.environ.get('HF_HOME', 'unset')}); put it "
+            f"there once where the Hub is reachable: hf download {ref} config.json")
+    return str(Path(cached).parent)
+
+
 def export_bridge(checkpoint: Path, staging: Path, hf_model: str, strict: bool) -> None:
     """Megatron Bridge export of one ``iter_*`` directory (CPU, gloo, inside export_ckpt)."""
     from megatron.bridge import AutoBridge
@@ -216,7 +237,9 @@ def export(args: argparse.Namespace) -> dict:
     try:
         model = None
         if args.bridge:
-            export_bridge(point.path, staging, args.hf_model, strict=not args.not_strict)
+            reference = resolve_hf_model(args.hf_model)
+            log(f"reference HF config for {args.hf_model}: {reference}")
+            export_bridge(point.path, staging, reference, strict=not args.not_strict)
             tokenizer_source = Path(args.tokenizer or args.hf_model)
         else:
             model = export_reference(point.path, staging)
@@ -249,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "on the reference path, --hf-model with --bridge)")
     p.add_argument("--atol", type=float, default=1e-5, help="logit tolerance (reference path)")
     p.add_argument("--bridge", action="store_true", help="Megatron Bridge checkpoint (NeMo)")
-    p.add_argument("--hf-model", help="--bridge: reference HF model id or directory")
+    p.add_argument("--hf-model", help="--bridge: the recipe's HF model id (from the cache "
+                                      "under $HF_HOME) or a directory with its config.json")
     p.add_argument("--not-strict", action="store_true",
                    help="--bridge: allow checkpoint and HF keys to differ")
     return p

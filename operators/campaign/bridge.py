@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from jobscripts.bridge_result import JOB_START_ENV
 from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.paths import RunPaths
+from operators.campaign.placement import container_argv, export_lines, setup_lines
 from operators.campaign.plan import (
     exit_duration_minutes,
     segment_exit_minutes,
@@ -45,7 +47,8 @@ _RECOMPUTE = {
     "full": {"recompute_granularity": "full", "recompute_method": "uniform",
              "recompute_num_layers": 1},
 }
-# Set on every job; the campaign's cluster.environment may override them.
+# Set inside the training container; cluster.environment or container.environment may
+# override them.
 BASE_ENVIRONMENT = {
     # Megatron's TP/SP communication overlap needs kernels queued in order.
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",
@@ -56,11 +59,17 @@ BASE_ENVIRONMENT = {
 }
 
 
+def blend_data_path(blend) -> list[str]:
+    """A blend as Megatron's ``data_path`` list: weight, prefix, weight, prefix, ...
+    (``get_blend_from_list`` reads the weights back from these strings)."""
+    return [item for b in blend for item in (repr(float(b.weight)), b.prefix)]
+
+
 def _data_path(campaign: Campaign, paths: RunPaths) -> list[str]:
     """Megatron's ``--data-path`` list: prefixes, or weight, prefix, weight, prefix, ..."""
     data = campaign.data
     if data.blend is not None:
-        return [item for b in data.blend for item in (repr(float(b.weight)), b.prefix)]
+        return blend_data_path(data.blend)
     if data.prefixes is not None:
         return list(data.prefixes)
     if not paths.data_prefixes:
@@ -78,8 +87,10 @@ def _tokenizer_dir(campaign: Campaign, paths: RunPaths) -> str:
     return paths.tokenizer_dir
 
 
-def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins: int) -> dict:
-    """The override tree, section by section, in Bridge's ConfigContainer field names."""
+def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins: int,
+                     train_iters: int | None = None) -> dict:
+    """The override tree, section by section, in Bridge's ConfigContainer field names.
+    ``train_iters``: the trigger form's, else the campaign's."""
     if campaign.model.recipe is None:
         raise ValueError("model.recipe: the Bridge path needs a recipe (the reference model "
                          "runs on jobscripts.reference_trainer)")
@@ -88,14 +99,15 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
         raise ValueError(f"exit_duration_in_mins must be a positive int "
                          f"(got {exit_duration_in_mins!r})")
     t, v, k = campaign.training, campaign.validation, campaign.checkpoint
-    train = {"train_iters": t.train_iters, "global_batch_size": t.global_batch_size,
+    train_iters = train_iters or t.train_iters
+    train = {"train_iters": train_iters, "global_batch_size": t.global_batch_size,
              "micro_batch_size": t.micro_batch_size,
              "exit_duration_in_mins": exit_duration_in_mins,
              "exit_signal_handler": True}  # a no-op at rc2; saves on --signal from v0.6.0
     if campaign.segments.iters_per_segment is not None:
         train["exit_interval"] = campaign.segments.iters_per_segment
     scheduler = {"lr_warmup_iters": t.lr_warmup_iters,
-                 "lr_decay_iters": t.lr_decay_iters or t.train_iters,
+                 "lr_decay_iters": t.lr_decay_iters or train_iters,
                  "lr_decay_style": t.lr_decay_style,
                  "start_weight_decay": t.weight_decay, "end_weight_decay": t.weight_decay,
                  "weight_decay_incr_style": "constant"}
@@ -115,7 +127,10 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
         # from whatever recipe version the container has.
         "checkpoint": {"save": paths.checkpoint_dir, "load": paths.checkpoint_dir,
                        "save_interval": k.save_interval, "ckpt_format": "torch_dist",
-                       "async_save": False},
+                       "async_save": False,
+                       # Bridge keeps every save; ours prune after each one (keep_last and
+                       # keep_every, jobscripts/bridge_pretrain.py --keep-last/--keep-every).
+                       "most_recent_k": -1},
         "ddp": {"use_distributed_optimizer": True, "check_for_nan_in_grad": True},
         "model": {"seq_length": t.seq_length,
                   "tensor_model_parallel_size": t.tensor_parallel_size,
@@ -133,8 +148,9 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
     }
 
 
-def render_bridge_yaml(campaign: Campaign, run_paths: RunPaths, exit_duration_in_mins: int) -> str:
-    tree = bridge_overrides(campaign, run_paths, exit_duration_in_mins)
+def render_bridge_yaml(campaign: Campaign, run_paths: RunPaths, exit_duration_in_mins: int,
+                       train_iters: int | None = None) -> str:
+    tree = bridge_overrides(campaign, run_paths, exit_duration_in_mins, train_iters)
     header = (f"# Megatron Bridge overrides for campaign {campaign.name}, recipe "
               f"{campaign.model.recipe} ({campaign.model.recipe_function}).\n"
               "# Rendered by operators/campaign/bridge.py; precedence CLI > this file > recipe.\n")
@@ -152,7 +168,16 @@ def _inner_command(campaign: Campaign, paths: RunPaths, master_port: int, config
                 "-m", "jobscripts.bridge_pretrain", "--recipe", shlex.quote(campaign.model.recipe),
                 "--config-file", shlex.quote(config_file),
                 "--segment-result", shlex.quote(segment_result)]
-    lines = []
+    k = campaign.checkpoint
+    torchrun += ["--keep-last", str(k.keep_last)]
+    if k.keep_every is not None:
+        torchrun += ["--keep-every", str(k.keep_every)]
+    # The container's own environment, exported in here (after any entrypoint): host jobs
+    # never see it. Defaults give way to what either environment of the campaign sets.
+    container = campaign.cluster.container
+    environment = {key: value for key, value in BASE_ENVIRONMENT.items()
+                   if key not in campaign.cluster.environment}
+    lines = export_lines({**environment, **container.environment})
     if paths.code_dir is not None:
         # Set in here: the image's own PYTHONPATH would win over one passed from the host.
         code = shlex.quote(paths.code_dir)
@@ -180,30 +205,39 @@ def bridge_job(campaign: Campaign, run_paths: RunPaths, *, master_port: int = MA
     job.update({name: getattr(c, name) for name in ("partition", "account", "qos",
                                                     "cpus_per_task", "mem")
                 if getattr(c, name) is not None})
-    apptainer = ["apptainer", "run", "--nv"]
-    for bind in c.container.binds:
-        apptainer += ["--bind", bind]
-    apptainer.append(c.container.image)
+    container = container_argv(c.container.image, c.container.binds, c.container.entrypoint,
+                               verb="run")
     inner = _inner_command(campaign, run_paths, master_port, config_file, segment_result)
+    srun = ["srun", "--mpi=pmi2", "--ntasks-per-node=1",
+            # --kill-on-bad-exit: one node's crash ends the step instead of hanging the others.
+            "--kill-on-bad-exit=1"]
+    if c.cpus_per_task is not None:
+        # srun of Slurm 22.05-23.02 ignores SLURM_CPUS_PER_TASK: without this the step
+        # gets one CPU per task, and torchrun's workers and data loaders share it.
+        srun.append('--cpus-per-task="$SLURM_CPUS_PER_TASK"')
     command = "\n".join([
+        # When the job started: Bridge's exit timer starts inside pretrain(), so the time
+        # before it (container, imports, recipe) is measured from here (startup_seconds).
+        f'{JOB_START_ENV}="$(date +%s)"', f"export {JOB_START_ENV}",
+        *setup_lines(campaign),
         # torchrun's rendezvous host: the first node of the allocation. sed, not head:
         # head exits early, scontrol dies of SIGPIPE, and pipefail + set -e end the job.
         'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
         "export MASTER_ADDR",
-        # --kill-on-bad-exit: one node's crash ends the step instead of hanging the others.
-        "srun --mpi=pmi2 --ntasks-per-node=1 --kill-on-bad-exit=1 "
-        + " ".join(shlex.quote(p) for p in apptainer) + " bash -c " + shlex.quote(inner),
+        " ".join([*srun, container, "bash", "-c", shlex.quote(inner)]),
     ])
-    environment = {**BASE_ENVIRONMENT, **c.environment}
-    return job, command, environment
+    return job, command, dict(c.environment)
 
 
-def bridge_segment(campaign: Campaign, run_paths: RunPaths, earlier_results=()) -> dict:
+def bridge_segment(campaign: Campaign, run_paths: RunPaths, earlier_results=(),
+                   train_iters: int | None = None) -> dict:
     """Keyword arguments for one segment's ``SlurmJobOperator``: job, command, environment
     and the rendered YAML as an uploaded file. ``earlier_results``: earlier segment.json
-    payloads, whose measured save times shorten this segment's training budget."""
+    payloads, whose measured start-up and save times set this segment's training budget;
+    ``train_iters``: the trigger form's, else the campaign's."""
     minutes = segment_exit_minutes(campaign, earlier_results)
     job, command, environment = bridge_job(campaign, run_paths)
+    yaml_text = render_bridge_yaml(campaign, run_paths, minutes, train_iters)
     return {"job": job, "command": command, "environment": environment,
-            "files": {CONFIG_FILE: render_bridge_yaml(campaign, run_paths, minutes)},
+            "files": {CONFIG_FILE: yaml_text},
             "result_file": SEGMENT_RESULT}

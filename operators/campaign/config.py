@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 from operators.campaign.fields import (
     AbsPath,
     Bind,
+    Command,
     ConnId,
     Environment,
     Image,
@@ -37,6 +38,8 @@ from operators.campaign.fields import (
 )
 from operators.campaign.rules import cross_field_problems
 
+HfModelId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/"
+                                          r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")]
 ExperimentName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._/-]{0,127}$")]
 
 
@@ -55,6 +58,31 @@ def _exactly_one(section: BaseModel, *names: str) -> None:
 class Container(Section):
     image: Image  # a .sif file on the cluster, or docker://nvcr.io/nvidia/nemo:<tag>
     binds: list[Bind] = []  # /host[:/container[:ro]], one --bind each
+    # A site wrapper the command runs under inside the container (NCCL over the fast network,
+    # CUDA forward compatibility), e.g. /host/adapt.sh: plain words, each quoted.
+    entrypoint: Command | None = None
+    # Exported inside containers only: paths that exist there (HF_HOME=/hf_home). Host jobs
+    # (ingest, gates, tokenization) never see them.
+    environment: Environment = {}
+
+
+class Placement(Section):
+    """Where one non-training stage runs; an unset field takes the stage's default
+    (operators/campaign/placement.py)."""
+
+    image: Image | None = None  # 'host': no container; default per stage
+    partition: SlurmName | None = None
+    gpus_per_node: NonNegInt | None = None
+    cpus_per_task: PosInt | None = None
+    mem: Memory | None = None
+    time_limit: SlurmTime | None = None
+
+
+class Stages(Section):
+    data: Placement = Placement()  # every data-stage job: small CPU jobs on the host
+    preflight: Placement = Placement()  # the training image, no GPU
+    export: Placement = Placement()  # the training image, on CPU
+    evaluate: Placement = Placement()  # a vLLM image on one GPU (Bridge campaigns)
 
 
 class Cluster(Section):
@@ -68,6 +96,8 @@ class Cluster(Section):
     mem: Memory | None = None
     time_limit: SlurmTime  # per segment job; segments chain past it
     exclusive: bool = False
+    # Site set-up run before every job's command (``module load brics/nccl``): plain words.
+    setup: list[Command] = []
     container: Container | None = None  # None: run in the host's environment
     environment: Environment = {}  # exported in every job; see fields.env_key
     remote_root: AbsPath | None = None  # campaign dirs live under <remote_root>/<name>/
@@ -158,10 +188,15 @@ class Model(Section):
     # A Megatron Bridge recipe, e.g. llama31_8b -> llama31_8b_pretrain_config()
     recipe: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")] | None = None
     reference: ReferenceModel | None = None
+    # The HF model the recipe builds its config from; known recipes have theirs
+    # (rules.KNOWN_RECIPES). Export reads its config.json from HF_HOME.
+    hf_model: HfModelId | None = None
 
     @model_validator(mode="after")
     def _one(self):
         _exactly_one(self, "recipe", "reference")
+        if self.hf_model is not None and self.recipe is None:
+            raise ValueError("model.hf_model goes with model.recipe")
         return self
 
     @property
@@ -232,7 +267,9 @@ class Retries(Section):
 class Segments(Section):
     max_per_run: PosInt = 4  # segment tasks one DAG run creates; surplus ones skip when done
     iters_per_segment: PosInt | None = None  # also cut at iteration multiples (exit_interval)
-    startup_estimate_min: NonNegFloat = 10.0  # job start -> training timer (container, imports)
+    # Job start -> the trainer's exit timer (container, imports, recipe; Bridge starts its
+    # timer inside pretrain()), until a segment has measured it (startup_seconds).
+    startup_estimate_min: NonNegFloat = 10.0
     save_estimate_s: NonNegFloat = 120.0  # a save, until an earlier segment has measured one
     margin_min: Annotated[float, Field(ge=2)] = 5.0  # slack before the hard limit
 
@@ -251,6 +288,7 @@ class Campaign(Section):
     tracking: Tracking = Tracking()
     retries: Retries = Retries()
     segments: Segments = Segments()
+    stages: Stages = Stages()
 
     @model_validator(mode="after")
     def _cross_checks(self):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from typing import Annotated
 
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
@@ -172,6 +173,40 @@ def _environment(value: dict[str, str]) -> dict[str, str]:
 MAX_TIME_DAYS = 365  # beyond any cluster's limit; Slurm's own field holds minutes
 
 
+# A word of a set-up line or an entrypoint: what a module name, a path or a flag needs, nothing
+# a shell would interpret. shlex.quote leaves such a word as it is.
+_WORD = re.compile(r"^[A-Za-z0-9_./@+=:,%-]{1,1024}$")
+
+
+def command_words(value: str) -> list[str]:
+    """A set-up line or an entrypoint as its words (``module load brics/nccl``). Each word
+    must be plain: the line is rendered word by word, quoted, so a ``;``, ``$`` or ``|``
+    could never start another command; a line that needs them belongs in a script the site
+    provides, named here by its path."""
+    _clean(value)
+    try:
+        words = shlex.split(value)
+    except ValueError as exc:
+        raise ValueError(f"cannot split {value!r} into words: {exc}") from None
+    if not words:
+        raise ValueError("must name a command (got an empty line)")
+    for word in words:
+        if not _WORD.match(word):
+            raise ValueError(f"word {word!r} of {value!r}: only letters, digits and "
+                             "_./@+=:,%- are allowed (no shell syntax, spaces or quotes)")
+    return words
+
+
+def render_words(value: str) -> str:
+    """A checked command line as the shell must see it: each word quoted."""
+    return shlex.join(command_words(value))
+
+
+def _command(value: str) -> str:
+    command_words(value)
+    return value
+
+
 def slurm_minutes(value: str) -> int:
     """Slurm's time formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) -> minutes,
     rounded up: a limit of 90 s still leaves the job its 2nd minute."""
@@ -309,4 +344,5 @@ Environment = Annotated[dict[Annotated[str, AfterValidator(env_key)], EnvValue],
 Memory = Annotated[str, AfterValidator(_matching(_MEMORY, "a size such as 64G, or 0 for all"))]
 SlurmTime = Annotated[str, BeforeValidator(_slurm_time)]
 Schedule = Annotated[str | None, AfterValidator(_schedule)]
+Command = Annotated[str, AfterValidator(_command)]  # set-up lines, entrypoints: plain words
 Text = Annotated[str, AfterValidator(_text)]  # free text that never reaches a script

@@ -92,6 +92,18 @@ def save_seconds_estimate(results: Iterable[Mapping], default_s: float) -> float
     return max(measured, default=default_s)
 
 
+def startup_minutes_estimate(results: Iterable[Mapping], default_min: float) -> float:
+    """Minutes from job start to the trainer's exit timer: the slowest ``startup_seconds``
+    earlier segments measured, else ``default_min``. Only that part: Bridge's timer starts
+    inside ``pretrain()``, so model set-up and checkpoint loading already count against
+    ``exit_duration_in_mins`` and must not be subtracted a second time."""
+    measured = [r["startup_seconds"] / 60.0 for r in results
+                if isinstance(r.get("startup_seconds"), (int, float))
+                and not isinstance(r.get("startup_seconds"), bool)
+                and math.isfinite(r["startup_seconds"]) and r["startup_seconds"] >= 0]
+    return max(measured, default=default_min)
+
+
 def exit_duration_minutes(time_limit_min: float, startup_estimate_min: float,
                           measured_save_s: float, margin_min: float) -> int:
     """``train.exit_duration_in_mins`` for a segment: whole minutes of training that leave
@@ -130,8 +142,10 @@ def segment_job_options(campaign: Campaign, *, batch_shell: bool) -> dict:
 
 
 def segment_exit_minutes(campaign: Campaign, earlier_results: Iterable[Mapping] = ()) -> int:
-    """:func:`exit_duration_minutes` with the campaign's estimates and measured saves."""
-    s = campaign.segments
-    return exit_duration_minutes(campaign.cluster.time_limit_minutes, s.startup_estimate_min,
-                                 save_seconds_estimate(earlier_results, s.save_estimate_s),
+    """:func:`exit_duration_minutes` with the start-up and save times earlier segments
+    measured, else the campaign's estimates."""
+    s, results = campaign.segments, list(earlier_results)
+    return exit_duration_minutes(campaign.cluster.time_limit_minutes,
+                                 startup_minutes_estimate(results, s.startup_estimate_min),
+                                 save_seconds_estimate(results, s.save_estimate_s),
                                  s.margin_min)

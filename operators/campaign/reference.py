@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.layout import Layout
+from operators.campaign.placement import setup_lines
 from operators.campaign.plan import segment_exit_minutes, segment_job_options
 from operators.campaign.stages import stage_job
 from operators.slurm.operator import python_module_command
@@ -58,8 +59,8 @@ def reference_segment(campaign: Campaign, layout: Layout, data_path: list[str], 
     job = {**stage_job(campaign), **segment_job_options(campaign, batch_shell=True)}
     return {
         # exec: the trainer becomes the batch shell, so --signal=B:TERM reaches it.
-        "command": "exec " + python_module_command("jobscripts.reference_trainer", "--config",
-                                                   CONFIG_FILE),
+        "command": "\n".join([*setup_lines(campaign), "exec " + python_module_command(
+            "jobscripts.reference_trainer", "--config", CONFIG_FILE)]),
         "job": job, "environment": dict(campaign.cluster.environment),
         "files": {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)},
         "result_file": SEGMENT_RESULT,

@@ -16,17 +16,20 @@ from operators.slurm.spec import ContainerSpec, JobSpec, JobSpecError
 class RecipeInfo(NamedTuple):
     params: float  # parameter count, for the summary's tokens-per-parameter
     max_seq_length: int  # the positions the model's RoPE setup is made for
+    # The HF model whose config.json the recipe builds from (AutoBridge.from_hf_pretrained
+    # in the recipe): export needs the same one, from HF_HOME (jobscripts/export_hf.py).
+    hf_model: str
 
 
 # Bridge recipes whose sizes we know; any other recipe name is allowed, just not summarised.
 KNOWN_RECIPES = {
-    "llama32_1b": RecipeInfo(1.24e9, 131072),
-    "llama32_3b": RecipeInfo(3.21e9, 131072),
-    "llama3_8b": RecipeInfo(8.03e9, 8192),
-    "llama31_8b": RecipeInfo(8.03e9, 131072),
-    "llama3_70b": RecipeInfo(70.6e9, 8192),
-    "llama31_70b": RecipeInfo(70.6e9, 131072),
-    "llama31_405b": RecipeInfo(405.9e9, 131072),
+    "llama32_1b": RecipeInfo(1.24e9, 131072, "meta-llama/Llama-3.2-1B"),
+    "llama32_3b": RecipeInfo(3.21e9, 131072, "meta-llama/Llama-3.2-3B"),
+    "llama3_8b": RecipeInfo(8.03e9, 8192, "meta-llama/Meta-Llama-3-8B"),
+    "llama31_8b": RecipeInfo(8.03e9, 131072, "meta-llama/Meta-Llama-3.1-8B"),
+    "llama3_70b": RecipeInfo(70.6e9, 8192, "meta-llama/Meta-Llama-3-70B"),
+    "llama31_70b": RecipeInfo(70.6e9, 131072, "meta-llama/Meta-Llama-3.1-70B"),
+    "llama31_405b": RecipeInfo(405.9e9, 131072, "meta-llama/Meta-Llama-3.1-405B"),
 }
 
 
@@ -83,9 +86,26 @@ def _schedule(c):
         yield "training.recompute", "the reference trainer does not recompute"
 
 
+def recipe_hf_model(c) -> str | None:
+    """The HF model id a Bridge campaign's recipe is built from: ``model.hf_model``, else
+    the known recipe's; None for the reference model or an unknown recipe without one."""
+    if c.model.recipe is None:
+        return None
+    known = KNOWN_RECIPES.get(c.model.recipe)
+    return c.model.hf_model or (known.hf_model if known else None)
+
+
 def _paths(c):
     if c.model.recipe is not None and c.cluster.container is None:
         yield "cluster.container", "a Bridge recipe runs inside the NeMo container: set it"
+    if c.model.recipe is not None and recipe_hf_model(c) is None:
+        yield "model.hf_model", (f"recipe {c.model.recipe!r} is not one this project knows: "
+                                 "name the Hugging Face model id it is built from (export "
+                                 "reads that model's config.json from HF_HOME)")
+    if c.model.recipe is not None and c.cluster.container is not None \
+            and _evaluate_image(c) is None:
+        yield "stages.evaluate.image", ("a Bridge campaign evaluates with vLLM on a GPU: name "
+                                        "an image with vLLM (or 'host' for the cluster's Python)")
     if c.checkpoint.dir is None and c.cluster.remote_root is None:
         yield "cluster.remote_root", "needed unless checkpoint.dir is set"
     if c.checkpoint.dir is not None and c.cluster.remote_root is None \
@@ -96,6 +116,10 @@ def _paths(c):
     if k.keep_every is not None and k.keep_every % k.save_interval:
         yield "checkpoint.keep_every", (f"{k.keep_every} is not a multiple of save_interval "
                                         f"{k.save_interval}, so few saves would land on it")
+
+
+def _evaluate_image(c) -> str | None:
+    return c.stages.evaluate.image
 
 
 def _segments(c):

@@ -146,10 +146,13 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
         else:
             from operators.campaign.bridge import bridge_segment
 
-            paths = RunPaths.for_campaign(self.campaign, data_prefixes=data_path,
+            # A blend's data path interleaves weights with prefixes: the YAML renders it
+            # from the campaign itself, run paths hold prefixes only.
+            prefixes = None if self.campaign.data.blend is not None else data_path
+            paths = RunPaths.for_campaign(self.campaign, data_prefixes=prefixes,
                                           tokenizer_dir=layout.tokenizer,
                                           code_dir=self._code_dir)
-            kwargs = bridge_segment(self.campaign, paths, history)
+            kwargs = bridge_segment(self.campaign, paths, history, train_iters)
         self.command, self.job = kwargs["command"], kwargs["job"]
         self.environment, self.files = kwargs["environment"], kwargs["files"]
 
@@ -177,9 +180,13 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
         layout = self._layout()
         before = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_START) or 0
         result = summary.get("result") or {}
-        after = result.get("end_iteration")
-        if after is None:  # killed before it could write segment.json: trust the tracker
-            after = read_iteration(self.hook, layout)
+        # Progress is what the checkpoint tracker names now: the last iteration saved, not the
+        # last one trained (a crash between saves trained steps that are lost), and not a
+        # segment.json that may be missing or stale.
+        after = read_iteration(self.hook, layout)
+        if result.get("end_iteration") not in (None, after):
+            self.log.warning("segment.json says iteration %s, the checkpoint tracker %s: "
+                             "counting the tracker's", result.get("end_iteration"), after)
         append_history(self.hook, layout, {**result, "slurm": summary["record"],
                                             "run_dir": summary["run_dir"],
                                             "log_path": summary["log_path"],

@@ -1,8 +1,9 @@
 """The campaign's non-training jobs as ``SlurmJobOperator`` arguments. Pure.
 
-Each function returns ``{"command", "job", "result_file"}`` for one stage; the
-command runs a ``jobscripts`` entry point with the cluster's Python
-(``$PP_PYTHON``) and writes its result JSON into the job's run directory.
+Each function returns ``{"command", "job", "result_file", "environment"}`` for one stage;
+the command runs a ``jobscripts`` entry point, with the cluster's Python (``$PP_PYTHON``) on
+the host or the image's in a container, where the stage's placement puts it
+(operators/campaign/placement.py), and writes its result JSON into the job's run directory.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from jobscripts.hf_fetch import parse_hf_uri
 from operators.campaign.layout import RESULT_FILE, Layout
-from operators.slurm.operator import python_module_command
+from operators.campaign.placement import stage_command, stage_launch
+from operators.campaign.rules import recipe_hf_model
 
 if TYPE_CHECKING:
     from operators.campaign.config import Campaign
@@ -21,7 +23,8 @@ EVAL_DOCUMENTS = 32  # held-out documents scored per evaluation (the split's fir
 
 
 def stage_job(campaign: Campaign, cpus: int | None = None) -> dict:
-    """sbatch options shared by the CPU stages: the campaign's partition and account."""
+    """sbatch options from the cluster section itself: the reference trainer's segment job
+    (the other stages are placed by operators/campaign/placement.py)."""
     c = campaign.cluster
     job = {name: getattr(c, name) for name in ("partition", "account", "qos")
            if getattr(c, name) is not None}
@@ -33,11 +36,14 @@ def stage_job(campaign: Campaign, cpus: int | None = None) -> dict:
     return job
 
 
-def _stage(campaign: Campaign, module: str, *args: object, cpus: int | None = None) -> dict:
-    # The campaign's environment is the cluster's for every job of it, not only training:
-    # ingest needs AWS_ENDPOINT_URL / AWS_CONFIG_FILE, HF_HUB_OFFLINE and the like too.
-    return {"command": python_module_command(module, *args, "--result", RESULT_FILE),
-            "job": stage_job(campaign, cpus), "result_file": RESULT_FILE,
+def _stage(campaign: Campaign, module: str, *args: object, stage: str = "data",
+           cpus: int | None = None) -> dict:
+    # cluster.environment is the host's, for every job of the campaign, not only training:
+    # ingest needs AWS_ENDPOINT_URL / AWS_CONFIG_FILE, HF_HUB_OFFLINE and the like too. The
+    # container's own environment is exported inside the container only (placement.py).
+    launch = stage_launch(campaign, stage, cpus)
+    return {"command": stage_command(campaign, launch, module, *args, "--result", RESULT_FILE),
+            "job": launch.job, "result_file": RESULT_FILE,
             "environment": dict(campaign.cluster.environment)}
 
 
@@ -104,8 +110,10 @@ def export(campaign: Campaign, layout: Layout) -> dict:
     args = ["--checkpoint-root", layout.checkpoints, "--output", layout.hf_export,
             "--tokenizer", layout.tokenizer]
     if campaign.model.recipe is not None:
-        args += ["--bridge", "--hf-model", layout.tokenizer]
-    return _stage(campaign, "jobscripts.export_hf", *args)
+        # The model the recipe was built from (its config.json, from HF_HOME offline), with
+        # which Bridge maps the checkpoint back to HF names; the tokenizer folder has none.
+        args += ["--bridge", "--hf-model", recipe_hf_model(campaign)]
+    return _stage(campaign, "jobscripts.export_hf", *args, stage="export")
 
 
 def heldout_data_args(campaign: Campaign, layout: Layout) -> list[str]:
@@ -126,4 +134,5 @@ def evaluate(campaign: Campaign, layout: Layout) -> dict:
                   *heldout_data_args(campaign, layout), "--split", campaign.data.split,
                   "--max-model-len", campaign.training.seq_length,
                   "--backend", backend, "--max-documents", EVAL_DOCUMENTS,
-                  "--max-new-tokens", 32, "--prompt", "The", "--output-dir", ".")
+                  "--max-new-tokens", 32, "--prompt", "The", "--output-dir", ".",
+                  stage="evaluate")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import shlex
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import replace
@@ -200,6 +201,10 @@ class SlurmJobOperator(BaseOperator):
                           found.job_id, key, found.state)
             if outcome is Outcome.RETRYABLE:
                 spec = self._avoid_failed_nodes(spec, found)
+        if self.result_file:
+            # The run dir is the key's, shared by every try: an earlier try's result must
+            # not be read as this one's when this job dies before writing its own.
+            self.hook.check("rm -f -- " + shlex.quote(posixpath.join(run_dir, self.result_file)))
         try:
             job_id = self.hook.submit(spec, run_dir, self.files)
         except (ClusterUnreachable, SlurmCommandError) as exc:

@@ -59,11 +59,12 @@ def test_golden_sbatch(campaign, paths) -> None:
 
 def test_segment_bundles_yaml_with_the_planned_exit(campaign, paths) -> None:
     seg = bridge.bridge_segment(campaign, paths)
-    assert seg["files"][bridge.CONFIG_FILE] == bridge.render_bridge_yaml(campaign, paths, 223)
+    # 240 min - start-up before Bridge's timer 3 - save 2 - margin 5
+    assert seg["files"][bridge.CONFIG_FILE] == bridge.render_bridge_yaml(campaign, paths, 230)
     assert seg["result_file"] == "segment.json"
     # A slower save measured by an earlier segment shortens the next one's training.
     slower = bridge.bridge_segment(campaign, paths, [{"save_seconds": 600.0, "saves": 2}])
-    assert "exit_duration_in_mins: 220" in slower["files"][bridge.CONFIG_FILE]
+    assert "exit_duration_in_mins: 227" in slower["files"][bridge.CONFIG_FILE]
 
 
 def test_yaml_facts(campaign, paths) -> None:
@@ -152,8 +153,12 @@ def test_job_options(campaign, paths) -> None:
     assert job == {"nodes": 2, "ntasks_per_node": 1, "gpus_per_node": "4", "time": "04:00:00",
                    "exclusive": True, "signal": "TERM@150", "requeue": True, "partition": "workq",
                    "cpus_per_task": 288}
-    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
-    assert env["HF_HOME"] == "/hf_home"
+    # The host's environment is cluster.environment alone; the container's (HF_HOME=/hf_home,
+    # the Bridge defaults) is exported inside the container, in the inner command.
+    assert env == {"NCCL_DEBUG": "WARN"}
+    inner = command.rsplit(" bash -c ", 1)[1]
+    for export in ("CUDA_DEVICE_MAX_CONNECTIONS=1", "HF_HUB_OFFLINE=1", "HF_HOME=/hf_home"):
+        assert f"export {export}" in inner
     assert "srun --mpi=pmi2" in command and "apptainer run --nv" in command
 
 
@@ -178,12 +183,14 @@ _STUBS = {
     # Many lines: a reader that stops after the first would SIGPIPE it (set -o pipefail).
     "scontrol": 'printf "gh001\\ngh002\\n"; seq -f "gh%g" 3 100000',
     # Two nodes: run the step once per node with its own SLURM_NODEID, as srun would.
-    "srun": 'while [[ $1 == --* ]]; do shift; done\n'
+    "srun": 'echo "srun $*" | grep -o -- "--cpus-per-task=[0-9]*"\n'
+            'while [[ $1 == --* ]]; do shift; done\n'
             'for n in 0 1; do SLURM_NODEID=$n "$@"; done',
     "apptainer": 'shift; while [[ $1 == --nv || $1 == --bind ]]; do '
                  '[[ $1 == --bind ]] && shift; shift; done\n'
-                 'echo "image=$1"; shift; exec "$@"',
+                 'echo "image=$1 entrypoint=$2"; shift 2; exec "$@"',
     "torchrun": 'echo "PYTHONPATH=$PYTHONPATH CDMC=$CUDA_DEVICE_MAX_CONNECTIONS torchrun $*"',
+    "module": 'echo "module $*"',
 }
 
 
@@ -196,7 +203,7 @@ def test_script_runs_one_torchrun_per_node_with_its_rank(campaign, paths, tmp_pa
     script = tmp_path / "job.sbatch"
     script.write_text(_script(campaign, paths))
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "gh[001-002]",
-           "SLURM_NNODES": "2", "SLURM_JOB_ID": "7"}
+           "SLURM_NNODES": "2", "SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "288"}
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
                          check=True, cwd=tmp_path).stdout
     runs = [line for line in out.splitlines() if "torchrun" in line]
@@ -207,5 +214,8 @@ def test_script_runs_one_torchrun_per_node_with_its_rank(campaign, paths, tmp_pa
         assert "--master-addr gh001 --master-port 29500" in line
         assert line.startswith(f"PYTHONPATH={CODE} CDMC=1 torchrun")
         assert line.endswith("-m jobscripts.bridge_pretrain --recipe llama31_8b "
-                             "--config-file bridge.yaml --segment-result segment.json")
-    assert "image=/scratch/pretrain/containers/nemo_26.04.sif" in out
+                             "--config-file bridge.yaml --segment-result segment.json "
+                             "--keep-last 3 --keep-every 500")
+    assert "image=/scratch/pretrain/containers/nemo_26.04.sif entrypoint=/host/adapt.sh" in out
+    assert out.index("module load brics/nccl") < out.index("image=")  # site set-up first
+    assert "--cpus-per-task=288" in out.splitlines()  # srun is told the job's CPU count

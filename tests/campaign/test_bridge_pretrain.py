@@ -158,8 +158,10 @@ def test_recorder_fills_the_reference_shape(tmp_path) -> None:
                                        loss_dict={"lm loss": _Scalar(2.5)}, grad_norm=1.5))
     rec.on_eval_end(_context(52, 416, total_loss_dict={"lm loss": _Scalar(2.0)}))
     rec.on_checkpoint_save(_context(52, 416))
+    write_tracker(save, 52)  # Bridge moves the tracker as part of the save
     r = rec.finish(exit_code=0, error=None)
     assert (r["start_iteration"], r["end_iteration"], r["stop_reason"]) == (50, 52, TIME_LIMIT)
+    assert r["last_step"] == 52
     assert r["last_train"] == {"iteration": 52, "lm_loss": 2.5, "learning_rate": 3e-4,
                                "grad_norm": 1.5, "consumed_samples": 416}
     assert r["last_validation"]["val_lm_loss"] == 2.0
@@ -177,7 +179,7 @@ def test_recorder_keys_match_the_reference_trainer() -> None:
     literal = next(n for n in ast.walk(new_result) if isinstance(n, ast.Dict))
     reference_keys = {k.value for k in literal.keys}
     ours = set(SegmentRecorder(0.0).result)
-    assert reference_keys <= ours and ours - reference_keys == {"startup_seconds"}
+    assert reference_keys <= ours and ours - reference_keys == {"startup_seconds", "last_step"}
 
 
 @pytest.mark.parametrize(("end", "signal_name", "code", "error", "reason"), [

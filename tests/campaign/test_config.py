@@ -22,9 +22,11 @@ LLAMA_8B_EXPECTED = {
         "ssh_conn_id": "isambard", "partition": "workq", "account": None, "qos": None,
         "nodes": 2, "gpus_per_node": 4, "cpus_per_task": 288, "mem": None,
         "time_limit": "04:00:00", "exclusive": True,
+        "setup": ["module load brics/nccl", "module load brics/apptainer-multi-node"],
         "container": {"image": "/scratch/pretrain/containers/nemo_26.04.sif",
-                      "binds": ["/scratch/pretrain", "/projects/pretrain/hf_home:/hf_home"]},
-        "environment": {"HF_HOME": "/hf_home", "NCCL_DEBUG": "WARN"},
+                      "binds": ["/scratch/pretrain", "/projects/pretrain/hf_home:/hf_home"],
+                      "entrypoint": "/host/adapt.sh", "environment": {"HF_HOME": "/hf_home"}},
+        "environment": {"NCCL_DEBUG": "WARN"},
         "remote_root": "/scratch/pretrain/campaigns",
     },
     "data": {
@@ -36,7 +38,7 @@ LLAMA_8B_EXPECTED = {
         "tokenizer": {"path": "/scratch/pretrain/tokenizers/Meta-Llama-3.1-8B", "train": None},
         "tokenize_workers": 32,
     },
-    "model": {"recipe": "llama31_8b", "reference": None},
+    "model": {"recipe": "llama31_8b", "reference": None, "hf_model": None},
     "training": {
         "train_iters": 1000, "global_batch_size": 128, "micro_batch_size": 1,
         "seq_length": 8192, "lr": 3e-4, "min_lr": 3e-5, "lr_warmup_iters": 100,
@@ -45,7 +47,7 @@ LLAMA_8B_EXPECTED = {
         "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "context_parallel_size": 2,
         "recompute": "none", "seed": 1234,
     },
-    "checkpoint": {"save_interval": 50, "keep_last": 3, "keep_every": 500, "dir": None},
+    "checkpoint": {"save_interval": 250, "keep_last": 3, "keep_every": 500, "dir": None},
     "validation": {"eval_interval": 100, "eval_iters": 10},
     "logging": {"log_interval": 10},
     "tracking": {"enabled": True, "mlflow_conn_id": "mlflow_default",
@@ -53,8 +55,16 @@ LLAMA_8B_EXPECTED = {
     "retries": {"data": {"retries": 2, "retry_delay": 120, "exponential_backoff": True},
                 "train": {"retries": 3, "retry_delay": 300, "exponential_backoff": True},
                 "export": {"retries": 1, "retry_delay": 300, "exponential_backoff": True}},
-    "segments": {"max_per_run": 6, "iters_per_segment": None, "startup_estimate_min": 10.0,
+    "segments": {"max_per_run": 6, "iters_per_segment": None, "startup_estimate_min": 3.0,
                  "save_estimate_s": 120.0, "margin_min": 5.0},
+    "stages": {name: {"image": None, "partition": None, "gpus_per_node": None,
+                      "cpus_per_task": None, "mem": None, "time_limit": None}
+               for name in ("data", "preflight", "export", "evaluate")}
+    | {"evaluate": {"image": "/scratch/pretrain/containers/vllm.sif", "partition": None,
+                    "gpus_per_node": None, "cpus_per_task": None, "mem": None,
+                    "time_limit": None},
+       "data": {"image": None, "partition": None, "gpus_per_node": None, "cpus_per_task": 8,
+                "mem": None, "time_limit": None}},
 }
 
 

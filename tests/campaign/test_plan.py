@@ -81,5 +81,8 @@ def test_save_estimate_takes_the_slowest_measured_save() -> None:
 
 def test_segment_exit_minutes_uses_measurements() -> None:
     c = campaign_from_dict(raw(LLAMA_8B))
-    assert segment_exit_minutes(c) == 223  # 240 - 10 - 120 s - 5
-    assert segment_exit_minutes(c, [{"save_seconds": 300.0, "saves": 1}]) == 220
+    assert segment_exit_minutes(c) == 230  # 240 - 3 - 120 s - 5
+    assert segment_exit_minutes(c, [{"save_seconds": 300.0, "saves": 1}]) == 227
+    # The start-up before the trainer's timer, measured, replaces the estimate: the slowest.
+    assert segment_exit_minutes(c, [{"startup_seconds": 60.0},
+                                    {"startup_seconds": 30.0}]) == 232

@@ -173,13 +173,23 @@ def test_bridge_path_calls_autobridge_as_convert_checkpoints_does(trained, tmp_p
 
     monkeypatch.setitem(sys.modules, "megatron.bridge",
                         types.SimpleNamespace(AutoBridge=FakeBridge))
+    # The recipe's model id resolves to its snapshot in the HF cache ($HF_HOME), offline.
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf_home" / "hub"
+    snapshot = cache / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    (cache / "models--meta-llama--Llama-3.1-8B" / "refs").mkdir()
+    (cache / "models--meta-llama--Llama-3.1-8B" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     rc, result = run_export(tmp_path / "hf", "--bridge", "--checkpoint-root", str(trained.root),
                             "--hf-model", "meta-llama/Llama-3.1-8B", "--tokenizer",
                             str(trained.tokenizer), "--iteration", str(TRAIN_ITERS // 2))
     assert rc == 0, result
     chosen = str(checkpoints.checkpoint_dir(trained.root, TRAIN_ITERS // 2))
     # Bridge gets the iter_* directory (it would pick the highest iter_* of a root itself).
-    assert calls == [("from_auto_config", chosen, "meta-llama/Llama-3.1-8B"),
+    assert calls == [("from_auto_config", chosen, str(snapshot)),
                      ("export_ckpt", chosen, True)]
     assert result["mode"] == "bridge" and result["iteration"] == TRAIN_ITERS // 2
     assert {"tokenizer.json", "generation_config.json"} <= set(result["files"])

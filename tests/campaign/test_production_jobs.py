@@ -1,0 +1,231 @@
+"""Every job the production campaign (dags/campaigns/llama31_8b_fp8.yaml) submits, rendered by
+the project's own functions into the exact sbatch script: golden files under
+golden/production/, and for each the properties issue 12 is about, asserted one by one (a
+golden alone would only say "changed").
+
+    data stages   small CPU jobs on the host, no GPU, no container, no container paths
+    segment 1     srun CPUs, site set-up, entrypoint, container environment, retention args
+    segment 2     resumed: the trigger's train_iters, start-up and save measured by segment 1
+    export        in the training image, the recipe's HF model id (not the tokenizer dir)
+    evaluate      in the vLLM image on one GPU
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from operators.campaign import bridge, stages
+from operators.campaign.layout import Layout
+from operators.campaign.load import campaign_from_dict, load_campaign
+from operators.campaign.paths import RunPaths
+from operators.campaign.segment import TrainingSegmentOperator
+from operators.slurm.operator import build_spec
+from operators.slurm.render import render_script
+from tests.campaign.util import DELETE, LLAMA_8B, edited, raw
+
+GOLDEN = Path(__file__).parent / "golden" / "production"
+ROOT = "/scratch/pretrain/campaigns/llama31_8b_fp8"
+PREFIX = f"{ROOT}/data/corpus_text_document"
+HOST_PYTHON = "/scratch/pretrain/venvs/pp/bin/python"
+DATA_STAGES = ("ingest", "raw_gate", "tokenizer", "tokenize", "token_gate")
+# What segment 1 measured: 2 min from job start to pretrain(), 90 s per save.
+SEGMENT_1 = {"start_iteration": 0, "end_iteration": 250, "startup_seconds": 120.0,
+             "save_seconds": 90.0, "saves": 1}
+
+
+@pytest.fixture(scope="module")
+def campaign():
+    return load_campaign(LLAMA_8B)
+
+
+def _script(name: str, kwargs: dict) -> str:
+    key = f"pp-{name}-0123456789abcdef"
+    env = {"PP_PYTHON": HOST_PYTHON, **kwargs["environment"]}
+    return render_script(build_spec(key, f"/scratch/pretrain/pp-runs/{key}", kwargs["command"],
+                                    kwargs["job"], env))
+
+
+def _segment(campaign, history=(), train_iters=None) -> dict:
+    """What TrainingSegmentOperator renders before its sbatch (the data from the manifest)."""
+    op = TrainingSegmentOperator(campaign=campaign, segment=len(history) + 1,
+                                 task_id=f"train.segment_{len(history) + 1}")
+    layout = Layout(RunPaths.for_campaign(campaign))
+    op._render_segment(layout, [PREFIX], list(history), train_iters or 1000)
+    return {"command": op.command, "job": op.job, "environment": op.environment,
+            "files": op.files}
+
+
+@pytest.fixture(scope="module")
+def jobs(campaign) -> dict[str, dict]:
+    layout = Layout(RunPaths.for_campaign(campaign))
+    rendered = {name: getattr(stages, name)(campaign, layout) for name in DATA_STAGES
+                if name != "token_gate"}
+    rendered["token_gate"] = stages.token_gate(campaign, layout, "/runs/ingest/result.json")
+    rendered["export"] = stages.export(campaign, layout)
+    rendered["evaluate"] = stages.evaluate(campaign, layout)
+    rendered["segment_1"] = _segment(campaign)
+    rendered["segment_2"] = _segment(campaign, [SEGMENT_1], train_iters=600)
+    return rendered
+
+
+def _golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed (UPDATE_GOLDEN=1 rewrites it)"
+
+
+@pytest.mark.parametrize("name", [*DATA_STAGES, "segment_1", "segment_2", "export",
+                                  "evaluate"])
+def test_golden(jobs, name) -> None:
+    _golden(f"{name}.sbatch", _script(name, jobs[name]))
+    if name.startswith("segment"):
+        _golden(f"{name}.bridge.yaml", jobs[name]["files"][bridge.CONFIG_FILE])
+
+
+def _directives(script: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([a-z-]+)(?:=(.*))?$", script, re.M))
+
+
+# --- 8: each stage's placement --------------------------------------------------------------
+@pytest.mark.parametrize("name", DATA_STAGES)
+def test_data_stages_are_small_cpu_jobs_on_the_host(jobs, name) -> None:
+    script = _script(name, jobs[name])
+    d = _directives(script)
+    assert "gpus-per-node" not in d and "exclusive" not in d and "nodes" not in d
+    # stages.data.cpus_per_task: 8 (tokenize: one CPU per worker), not the segment's 288.
+    assert d["cpus-per-task"] == ("32" if name == "tokenize" else "8")
+    assert "apptainer exec" not in script and '"$PP_PYTHON" -m jobscripts.' in script
+    # 5: container paths never reach a host job.
+    assert "HF_HOME" not in script and "/hf_home" not in script.replace(
+        "--bind /projects/pretrain/hf_home:/hf_home", "")
+
+
+def test_default_data_placement_is_four_cpus(campaign) -> None:
+    c = campaign_from_dict(edited(raw(LLAMA_8B), {"stages.data": DELETE}))
+    job = stages.ingest(c, Layout(RunPaths.for_campaign(c)))["job"]
+    assert job == {"partition": "workq", "time": "04:00:00", "cpus_per_task": 4}
+
+
+def test_export_runs_in_the_training_image_on_cpu(jobs, campaign) -> None:
+    script = _script("export", jobs["export"])
+    d = _directives(script)
+    assert "gpus-per-node" not in d and d["time"] == "02:00:00" and d["cpus-per-task"] == "16"
+    launch = script.splitlines()[-1]
+    assert launch.startswith("apptainer exec --nv --bind /scratch/pretrain "
+                             f"--bind /projects/pretrain/hf_home:/hf_home "
+                             f"{campaign.cluster.container.image} /host/adapt.sh bash ")
+    inner = shlex.split(launch)[-1]
+    assert inner.startswith("export HF_HOME=/hf_home; python3 -m jobscripts.export_hf ")
+    # 1: the recipe's HF model, resolved from HF_HOME by the job, never the tokenizer dir.
+    args = shlex.split(inner.split("; ", 1)[1])
+    assert args[args.index("--hf-model") + 1] == "meta-llama/Meta-Llama-3.1-8B"
+    assert args[args.index("--tokenizer") + 1] == f"{ROOT}/data/tokenizer"
+
+
+def test_evaluate_runs_in_the_vllm_image_on_one_gpu(jobs) -> None:
+    script = _script("evaluate", jobs["evaluate"])
+    d = _directives(script)
+    assert d["gpus-per-node"] == "1" and d["time"] == "01:00:00" and "exclusive" not in d
+    assert "/scratch/pretrain/containers/vllm.sif /host/adapt.sh bash " in script
+    assert "--backend vllm" in script
+
+
+def test_a_bridge_campaign_must_name_its_evaluation_image() -> None:
+    from operators.campaign.load import CampaignConfigError as CampaignError
+
+    with pytest.raises(CampaignError, match="stages.evaluate.image"):
+        campaign_from_dict(edited(raw(LLAMA_8B), {"stages.evaluate": DELETE}))
+
+
+# --- 3: site set-up and the entrypoint, quoted ---------------------------------------------
+@pytest.mark.parametrize("name", [*DATA_STAGES, "segment_1", "export", "evaluate"])
+def test_site_setup_runs_before_every_command(jobs, name) -> None:
+    lines = _script(name, jobs[name]).splitlines()
+    at = lines.index("module load brics/nccl")
+    assert lines[at - 1] == "set +u" and lines[at + 1] == "module load brics/apptainer-multi-node"
+    assert lines[at + 2] == "set -u"
+    launch = next(i for i, line in enumerate(lines) if line.startswith(
+        ('"$PP_PYTHON"', "apptainer", "srun")))
+    assert at < launch
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("cluster.setup", ["module load x; rm -rf /"]),
+    ("cluster.setup", ["module load $(id)"]),
+    ("cluster.setup", ["source '/a b/env.sh'"]),
+    ("cluster.setup", ["module load x\nrm -rf /"]),
+    ("cluster.setup", [""]),
+    ("cluster.container.entrypoint", "/host/adapt.sh | tee x"),
+    ("cluster.container.entrypoint", "`id`"),
+])
+def test_setup_lines_and_entrypoints_are_plain_words(field, value) -> None:
+    from operators.campaign.load import CampaignConfigError as CampaignError
+
+    with pytest.raises(CampaignError, match=re.escape(field)):
+        campaign_from_dict(edited(raw(LLAMA_8B), {field: value}))
+
+
+# --- the segment ----------------------------------------------------------------------------
+def _srun(script: str) -> str:
+    return next(line for line in script.splitlines() if line.startswith("srun "))
+
+
+def test_segment_launch_line(jobs, campaign) -> None:
+    script = _script("segment_1", jobs["segment_1"])
+    srun = _srun(script)
+    # 11: srun of Slurm 22.05-23.02 does not inherit the CPU count.
+    assert srun.startswith('srun --mpi=pmi2 --ntasks-per-node=1 --kill-on-bad-exit=1 '
+                           '--cpus-per-task="$SLURM_CPUS_PER_TASK" apptainer run --nv ')
+    words = shlex.split(srun)
+    image = words.index(campaign.cluster.container.image)
+    assert words[image + 1:image + 3] == ["/host/adapt.sh", "bash"]  # 3: under the wrapper
+    inner = words[-1]
+    # 5: the container's environment inside, the host's outside.
+    for export in ("HF_HOME=/hf_home", "HF_HUB_OFFLINE=1", "CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        assert f"export {export};" in inner
+        assert f"export {export}\n" not in script
+    assert "export NCCL_DEBUG=WARN\n" in script
+    # 9: retention after each save; 13: the job start the recorder measures from.
+    assert inner.endswith("--keep-last 3 --keep-every 500")
+    assert 'PP_JOB_START="$(date +%s)"' in script
+
+
+def test_no_cpu_flag_without_a_cpu_count() -> None:
+    c = campaign_from_dict(edited(raw(LLAMA_8B), {"cluster.cpus_per_task": DELETE}))
+    paths = RunPaths.for_campaign(c, data_prefixes=[PREFIX])
+    assert "--cpus-per-task" not in bridge.bridge_job(c, paths)[1]  # SLURM_CPUS_PER_TASK unset
+
+
+def test_resumed_segment_uses_what_segment_1_measured(jobs) -> None:
+    first = yaml.safe_load(jobs["segment_1"]["files"][bridge.CONFIG_FILE])
+    second = yaml.safe_load(jobs["segment_2"]["files"][bridge.CONFIG_FILE])
+    # 13: 240 - start-up estimate 3 - save estimate 2 - margin 5; then 240 - 2 - 1.5 - 5:
+    # the start-up before Bridge's timer only, measured, not the estimate a second time.
+    assert first["train"]["exit_duration_in_mins"] == 230
+    assert second["train"]["exit_duration_in_mins"] == 231
+    # 7: the trigger form's train_iters reaches the Bridge segment, schedule included.
+    assert first["train"]["train_iters"] == 1000 and second["train"]["train_iters"] == 600
+    assert second["scheduler"]["lr_decay_iters"] == 600
+    # 9: Bridge keeps every save itself; retention is ours, after each save.
+    assert first["checkpoint"]["most_recent_k"] == -1
+    assert first["checkpoint"]["save_interval"] == 250
+
+
+def test_blend_reaches_the_bridge_segment_as_weights_and_prefixes() -> None:
+    # 6: the operator's own render path (it used to hand the weights to RunPaths as prefixes).
+    c = campaign_from_dict(edited(raw(LLAMA_8B), {
+        "data.source": DELETE,
+        "data.blend": [{"weight": 0.7, "prefix": "/d/web"}, {"weight": 0.3, "prefix": "/d/code"}]}))
+    op = TrainingSegmentOperator(campaign=c, segment=1, task_id="train.segment_1")
+    layout = Layout(RunPaths.for_campaign(c))
+    op._render_segment(layout, op._data_path(layout, None), [], 1000)
+    tree = yaml.safe_load(op.files[bridge.CONFIG_FILE])
+    assert tree["dataset"]["data_path"] == ["0.7", "/d/web", "0.3", "/d/code"]

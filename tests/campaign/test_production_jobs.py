@@ -229,3 +229,98 @@ def test_blend_reaches_the_bridge_segment_as_weights_and_prefixes() -> None:
     op._render_segment(layout, op._data_path(layout, None), [], 1000)
     tree = yaml.safe_load(op.files[bridge.CONFIG_FILE])
     assert tree["dataset"]["data_path"] == ["0.7", "/d/web", "0.3", "/d/code"]
+
+
+# --- the job side: progress, retention, start-up, the export's reference --------------------
+def _saved(root: Path, iteration: int) -> None:
+    """A save as Bridge leaves it: torch_dist's .metadata written last, then the tracker."""
+    from jobscripts.checkpoints import checkpoint_dir, write_tracker
+
+    checkpoint_dir(root, iteration).mkdir(parents=True)
+    (checkpoint_dir(root, iteration) / ".metadata").write_bytes(b"x")
+    write_tracker(root, iteration)
+
+
+def _ctx(step: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(state=SimpleNamespace(train_state=SimpleNamespace(
+        step=step, consumed_train_samples=step * 128)), optimizer=None, loss_dict={},
+        grad_norm=None)
+
+
+def test_progress_is_the_last_save_not_the_last_step(tmp_path) -> None:
+    # 12: trained to 120, saved at 100, then crashed: the campaign is at 100.
+    from jobscripts.bridge_result import SegmentRecorder
+
+    rec = SegmentRecorder(0.0)
+    rec.configure(1000, 8192, str(tmp_path))
+    rec.on_train_start(_ctx(0))
+    for step in range(1, 121):
+        rec.on_train_step_end(_ctx(step))
+        if step == 100:
+            _saved(tmp_path, 100)
+            rec.on_checkpoint_save(_ctx(100))
+    r = rec.finish(1, "RuntimeError: NCCL timeout")
+    assert (r["end_iteration"], r["last_step"]) == (100, 120)
+
+
+def test_retention_runs_after_each_save(tmp_path, monkeypatch) -> None:
+    # 9: keep_last 2 and every 500th, on rank 0, through the callback Bridge calls.
+    from types import SimpleNamespace
+
+    from jobscripts.bridge_pretrain import parse_args, saved_callback
+    from jobscripts.bridge_result import SegmentRecorder
+    from jobscripts.checkpoints import list_checkpoints
+
+    monkeypatch.setenv("RANK", "0")
+    args, _ = parse_args(["--recipe", "llama31_8b", "--config-file", "b.yaml",
+                          "--keep-last", "2", "--keep-every", "500"])
+    rec = SegmentRecorder(0.0)
+    rec.configure(1000, 8192, str(tmp_path))
+    callback = saved_callback(rec, args)
+    for iteration in (250, 500, 750, 1000):
+        _saved(tmp_path, iteration)
+        callback(_ctx(iteration))
+    assert list_checkpoints(tmp_path) == [500, 750, 1000]
+    monkeypatch.setenv("RANK", "1")  # other ranks never delete
+    other = saved_callback(rec, SimpleNamespace(keep_last=1, keep_every=None))
+    _saved(tmp_path, 1250)
+    other(_ctx(1250))
+    assert list_checkpoints(tmp_path) == [500, 750, 1000, 1250]
+
+
+def test_startup_is_measured_from_the_job_start(monkeypatch) -> None:
+    # 13: $PP_JOB_START (the batch script's date +%s) -> the call of pretrain().
+    import time
+
+    from jobscripts.bridge_result import SegmentRecorder
+
+    rec = SegmentRecorder(time.monotonic())
+    rec.timer_started(str(int(time.time()) - 100))
+    assert 99 <= rec.result["startup_seconds"] <= 102
+    rec.on_train_start(_ctx(0))  # later, after model build and checkpoint load: not counted
+    assert rec.result["startup_seconds"] <= 102
+
+
+def test_export_reference_resolves_from_hf_home(tmp_path, monkeypatch) -> None:
+    # 1: the recipe's model id -> its snapshot in the HF cache; a tokenizer dir is refused.
+    from huggingface_hub import constants
+
+    from jobscripts.common import StepError
+    from jobscripts.export_hf import resolve_hf_model
+
+    model = tmp_path / "hub" / "models--meta-llama--Meta-Llama-3.1-8B"
+    (model / "snapshots" / "c0ffee").mkdir(parents=True)
+    (model / "snapshots" / "c0ffee" / "config.json").write_text("{}")
+    (model / "refs").mkdir()
+    (model / "refs" / "main").write_text("c0ffee")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_hf_model("meta-llama/Meta-Llama-3.1-8B") == str(model / "snapshots" / "c0ffee")
+    with pytest.raises(StepError, match="not in the Hugging Face cache"):
+        resolve_hf_model("meta-llama/Llama-3.2-1B")
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    with pytest.raises(StepError, match="no config.json"):
+        resolve_hf_model(str(tokenizer))

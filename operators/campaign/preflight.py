@@ -26,10 +26,16 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from operators.campaign.code_ship import ShipsCode
 from operators.campaign.layout import RESULT_FILE, Layout
 from operators.campaign.paths import RunPaths
+from operators.campaign.placement import (
+    export_lines,
+    in_container,
+    setup_lines,
+    stage_command,
+    stage_launch,
+)
 from operators.campaign.remote import read_history, read_iteration, read_text
-from operators.campaign.stages import stage_job
 from operators.slurm.errors import SlurmJobFailed
-from operators.slurm.operator import XCOM_JOB, SlurmJobOperator, python_module_command
+from operators.slurm.operator import XCOM_JOB, SlurmJobOperator
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -38,11 +44,6 @@ if TYPE_CHECKING:
     from operators.slurm.hook import SlurmHook
 
 TASK_ID = "preflight"
-# A config check, not training: a short CPU job (imports take a minute or two in the image).
-PREFLIGHT_TIME = "00:30:00"
-PREFLIGHT_CPUS = 2
-# The training image's interpreter, inside the container (the NeMo image's python3 has Bridge).
-IMAGE_PYTHON = "python3"
 
 
 def _data_prefixes(campaign: Campaign, hook: SlurmHook, layout: Layout) -> list[str] | None:
@@ -56,25 +57,27 @@ def _data_prefixes(campaign: Campaign, hook: SlurmHook, layout: Layout) -> list[
     return list(campaign.data.prefixes) if campaign.data.prefixes else None
 
 
-def bridge_preflight_job(campaign: Campaign, paths: RunPaths,
-                         history: list[dict]) -> dict[str, Any]:
-    """``SlurmJobOperator`` arguments: segment 1's YAML and environment, checked in the image."""
-    from operators.campaign.bridge import CONFIG_FILE, bridge_segment
+def bridge_preflight_job(campaign, paths: RunPaths, history: list[dict]) -> dict[str, Any]:
+    """``SlurmJobOperator`` arguments: segment 1's YAML and environment, checked in the
+    training image (the ``preflight`` placement: operators/campaign/placement.py)."""
+    from operators.campaign.bridge import BASE_ENVIRONMENT, CONFIG_FILE, bridge_segment
 
     segment = bridge_segment(campaign, paths, history)
-    c = campaign.cluster
+    launch = stage_launch(campaign, "preflight")
     module = ["-m", "jobscripts.bridge_preflight", "--recipe", campaign.model.recipe,
               "--config-file", CONFIG_FILE, "--world-size", str(campaign.world_size),
               "--result", RESULT_FILE]
-    lines = []
+    # The training container's environment as the segment's inner command has it
+    # (bridge.py): the defaults (HF_HUB_OFFLINE=1 ...) unless the campaign sets them.
+    given = {**campaign.cluster.environment, **(launch.environment or {})}
+    lines = export_lines({k: v for k, v in BASE_ENVIRONMENT.items() if k not in given})
     if paths.code_dir is not None:  # set inside: the image's own PYTHONPATH would win
         lines.append(f"export PYTHONPATH={shlex.quote(paths.code_dir)}"
                      "${PYTHONPATH:+:$PYTHONPATH}")
-    lines.append(" ".join(["exec", IMAGE_PYTHON, *(shlex.quote(a) for a in module)]))
-    job = {**stage_job(campaign, PREFLIGHT_CPUS), "time": PREFLIGHT_TIME,
-           "container": {"image": c.container.image, "binds": list(c.container.binds),
-                         "nv": False}}
-    return {"command": "\n".join(lines), "job": job, "environment": segment["environment"],
+    lines.append(" ".join(["exec", launch.python, *(shlex.quote(a) for a in module)]))
+    command = in_container(launch, "; ".join(lines)) if launch.image else "; ".join(lines)
+    return {"command": "\n".join([*setup_lines(campaign), command]), "job": launch.job,
+            "environment": segment["environment"],
             "files": {CONFIG_FILE: segment["files"][CONFIG_FILE]}, "result_file": RESULT_FILE}
 
 
@@ -83,9 +86,10 @@ def reference_preflight_job(campaign: Campaign, layout: Layout, data_path: list[
     from operators.campaign.reference import CONFIG_FILE, reference_segment
 
     segment = reference_segment(campaign, layout, data_path, history)
-    return {"command": python_module_command("jobscripts.reference_preflight", "--config",
-                                             CONFIG_FILE, "--result", RESULT_FILE),
-            "job": {**stage_job(campaign, PREFLIGHT_CPUS), "time": PREFLIGHT_TIME},
+    launch = stage_launch(campaign, "preflight")
+    return {"command": stage_command(campaign, launch, "jobscripts.reference_preflight",
+                                     "--config", CONFIG_FILE, "--result", RESULT_FILE),
+            "job": launch.job,
             "environment": segment["environment"],
             "files": {CONFIG_FILE: segment["files"][CONFIG_FILE]}, "result_file": RESULT_FILE}
 

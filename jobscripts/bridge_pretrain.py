@@ -195,6 +195,7 @@ def run(args, overrides: list[str], tree: Mapping, recorder: SegmentRecorder) ->
 
         config.model.pipeline_dtype = torch.bfloat16
     recorder.configure(config.train.train_iters, config.model.seq_length, config.checkpoint.save)
+    recorder.timer_started(os.environ.get(JOB_START_ENV))  # pretrain() is next
     if os.environ.get(PREFLIGHT_ENV) == "1":
         # The launch chain up to here (srun, container, torchrun, the YAML applied by Bridge)
         # without the GPU work: what a CPU-only cluster can run of a segment.
@@ -212,7 +213,6 @@ def run(args, overrides: list[str], tree: Mapping, recorder: SegmentRecorder) ->
     for event in ("on_train_start", "on_train_step_end", "on_eval_end"):
         manager.register(event, getattr(recorder, event))
     manager.register("on_checkpoint_save", saved_callback(recorder, args))
-    recorder.timer_started(os.environ.get(JOB_START_ENV))
     pretrain(config=config, forward_step_func=forward_step, callbacks=manager)
 
 

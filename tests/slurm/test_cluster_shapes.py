@@ -169,6 +169,8 @@ def test_accounting_outage_follows_the_job_through_squeue_on_one_connection(hook
     finally:
         hook.cancel(job_id)
     during = seen["during"]
+    print(f"outage {OUTAGE_S}s: {len(during)} rounds, stats {seen['stats']}, "
+          f"recovered {seen['recovered_after']:.2f}s after slurmdbd was back")
     assert len(during) >= OUTAGE_S / INTERVAL_S * 0.6
     assert all(error and "sacct exited" in error for _, error in during[1:])
     assert all(r is not None and r.state == "RUNNING" and r.source == "squeue"

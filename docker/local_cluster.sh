@@ -255,8 +255,23 @@ cmd_sync_env() {
     uv pip install --quiet --python "$py" "${links[@]}" -r "$lock"
     echo "$sum" >"$JOB_VENV/.lock.sha256"
   fi
+  install_vllm "$py" "${links[@]}"
   install_project "$py"
   bash "$REPO_ROOT/docker/bridge_venv.sh"  # the train.preflight venv (Bridge 0.6.2, Python 3.12)
+}
+
+# vLLM's CPU build for the evaluate stage (docker/requirements-vllm.txt). The lock is an override:
+# no locked package changes (vLLM only adds), so jobs running meanwhile keep their files. Stamped.
+install_vllm() {
+  local py=$1 req=$REPO_ROOT/docker/requirements-vllm.txt sum
+  local ovr=$REPO_ROOT/docker/requirements-vllm-overrides.txt lock=$REPO_ROOT/requirements.lock
+  shift
+  sum=$(cat "$req" "$ovr" "$lock" | sha256sum | cut -d' ' -f1)
+  [[ $(cat "$JOB_VENV/.vllm.sha256" 2>/dev/null) == "$sum" ]] && return 0
+  log "installing vLLM's CPU build into $JOB_VENV"
+  uv pip install --quiet --python "$py" "$@" --override "$lock" --override "$ovr" -r "$req" ||
+    die "installing vLLM into $JOB_VENV failed"
+  echo "$sum" >"$JOB_VENV/.vllm.sha256"
 }
 
 # Built from a scratch copy: setuptools writes build/ and *.egg-info next to the sources, and the

@@ -1,50 +1,103 @@
-"""Production evaluation backends, for the vLLM container on a GPU node: three separate ways in.
+"""Production evaluation backends: vLLM's offline engine and lm-evaluation-harness.
 
-1. ``VllmBackend``: offline ``vllm.LLM``, the default. Perplexity windows go in as token ids
-   with ``SamplingParams(max_tokens=1, prompt_logprobs=1)``; prefix caching is off (cached
-   prefix positions would get no prompt log-probabilities) and ``max_model_len`` is the
-   training sequence length.
-2. ``ServerBackend``: an OpenAI-compatible ``vllm serve`` (started here or already running);
-   ``/v1/completions`` with ``echo=True, logprobs=1, max_tokens=0`` returns the prompt's
-   log-probabilities. Slower, but it checks the deployment users will actually call.
+1. ``VllmBackend``: offline ``vllm.LLM``, the default, on a GPU node in the vLLM image and on
+   the local cluster with vLLM's CPU build (docker/requirements-vllm.txt). Perplexity windows
+   go in as token ids with ``SamplingParams(max_tokens=1, prompt_logprobs=1)``; the engine's
+   settings (sizes bounded for prompt log-probs, CPU fast start) are jobscripts/vllm_engine.py's.
+   Whatever vLLM refuses (a missing tokenizer or weights, a shape it does not support) fails
+   the step with vLLM's own reason.
+2. The OpenAI-compatible server: jobscripts/eval_vllm_server.py.
 3. ``run_lm_eval``: lm-evaluation-harness on the vLLM model with a local task directory, in a
    child process (``python -m jobscripts.eval_vllm``, built by ``lm_eval_command``).
 
-vLLM, requests-free HTTP aside, and lm-eval are imported inside the functions: this module
-imports anywhere (CI has no vLLM). Backends 1 and 2 answer the same interface as
-jobscripts/eval_hf.py, and their outputs go through the one metric path in
-jobscripts/eval_metrics.py.
+vLLM and lm-eval are imported inside the functions: this module imports anywhere. Backends 1
+and 2 answer the same interface as jobscripts/eval_hf.py, and their outputs go through the
+one metric path in jobscripts/eval_metrics.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from jobscripts.common import StepError, log
-from jobscripts.eval_metrics import from_openai_echo, from_prompt_logprobs
+from jobscripts.eval_metrics import from_prompt_logprobs
 from jobscripts.results import write_json_atomic
+from jobscripts.vllm_engine import (
+    CPU_ENVIRONMENT,
+    DTYPE_BYTES,
+    EngineLimits,
+    engine_kwargs,
+    engine_limits,
+    model_shape,
+)
 
 
 # --- 1. offline LLM ---------------------------------------------------------------------------
+def on_cpu() -> bool:
+    """The CPU build (the local cluster) or a GPU: decides the engine settings."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def limits_for(model_dir: str, max_model_len: int, cpu: bool) -> EngineLimits:
+    """``engine_limits`` for this export on this machine; a bad export names its file."""
+    try:
+        vocab_size, max_positions, dtype = model_shape(model_dir)
+        memory = None
+        if not cpu:
+            import torch
+
+            memory = torch.cuda.get_device_properties(0).total_memory
+        logits_dtype = "float32" if cpu or dtype not in DTYPE_BYTES else dtype
+        return engine_limits(max_model_len, vocab_size, logits_dtype, memory, max_positions)
+    except ValueError as exc:
+        raise StepError(f"vLLM engine for {model_dir}: {exc}") from exc
+
+
+def vllm_reason(exc: BaseException) -> str:
+    """vLLM's own words for a failure: the exception and, when it wraps another, the root."""
+    text = f"{type(exc).__name__}: {exc}"
+    root = exc
+    while root.__cause__ is not None or (root.__context__ is not None
+                                         and not root.__suppress_context__):
+        root = root.__cause__ or root.__context__
+    if root is not exc:
+        text += f" (caused by {type(root).__name__}: {root})"
+    return text
+
+
+def engine_settings(model_dir: str, max_model_len: int, seed: int = 0,
+                    tensor_parallel_size: int = 1) -> tuple[dict[str, object], bool]:
+    """(the engine's keyword arguments, on the CPU build) for this export on this machine."""
+    cpu = on_cpu()
+    limits = limits_for(model_dir, max_model_len, cpu)
+    return engine_kwargs(model_dir, limits, cpu, seed, tensor_parallel_size), cpu
+
+
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, model_dir: str, max_model_len: int, dtype: str = "auto", seed: int = 0,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85):
-        from vllm import LLM
+    def __init__(self, model_dir: str, max_model_len: int, seed: int = 0,
+                 tensor_parallel_size: int = 1):
+        kwargs, cpu = engine_settings(model_dir, max_model_len, seed, tensor_parallel_size)
+        if cpu:  # read when vLLM is imported: before it
+            for key, value in CPU_ENVIRONMENT.items():
+                os.environ.setdefault(key, value)
+        log(f"vLLM engine: {kwargs}")
+        self.model_dir = model_dir
+        try:
+            from vllm import LLM
 
-        self.llm = LLM(model=model_dir, max_model_len=max_model_len,
-                       enable_prefix_caching=False, dtype=dtype, seed=seed,
-                       tensor_parallel_size=tensor_parallel_size,
-                       gpu_memory_utilization=gpu_memory_utilization)
+            self.llm = LLM(**kwargs)
+        except Exception as exc:  # noqa: BLE001 (whatever vLLM refuses, in its words)
+            raise StepError(f"vLLM could not load {model_dir}: {vllm_reason(exc)}") from exc
 
     def window_logprobs(self, windows: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams
@@ -52,8 +105,7 @@ class VllmBackend:
         # The one generated token is discarded; only prompt_logprobs matter. Outputs come
         # back in the order of the prompts.
         params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
-        outputs = self.llm.generate([{"prompt_token_ids": w} for w in windows], params,
-                                    use_tqdm=False)
+        outputs = self._generate(windows, params)
         return [from_prompt_logprobs(o.prompt_logprobs, o.prompt_token_ids) for o in outputs]
 
     def complete(self, prompts: list[list[int]], temperature: float, max_new_tokens: int,
@@ -62,105 +114,17 @@ class VllmBackend:
 
         # vLLM stops at the EOS of the model's generation_config; eos_id is for the HF path.
         params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
+        outputs = self._generate(prompts, params)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
-
-# --- 2. OpenAI-compatible server -------------------------------------------------------------
-def serve_command(model_dir: str, port: int, max_model_len: int, served_name: str,
-                  host: str = "127.0.0.1") -> list[str]:
-    """``vllm serve`` with the same settings as the offline backend."""
-    return ["vllm", "serve", model_dir, "--host", host, "--port", str(port),
-            "--served-model-name", served_name, "--max-model-len", str(max_model_len),
-            "--no-enable-prefix-caching"]
-
-
-def echo_request(served_name: str, windows: list[list[int]]) -> dict[str, Any]:
-    """The ``/v1/completions`` body that returns prompt log-probabilities only."""
-    return {"model": served_name, "prompt": windows, "echo": True, "logprobs": 1,
-            "max_tokens": 0, "temperature": 0.0}
-
-
-def _post(url: str, body: dict, timeout: float) -> dict:
-    if not url.startswith(("http://", "https://")):
-        raise StepError(f"server URL must be http(s): {url}")
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),  # noqa: S310 (checked)
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
-        return json.loads(response.read())
-
-
-def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise StepError(f"vllm serve exited with code {proc.returncode} before it was healthy")
+    def _generate(self, prompts: list[list[int]], params) -> list:
+        # Some refusals come only with the first forward pass (the CPU build's attention
+        # kernels check the head size there): in vLLM's words as well.
         try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:  # noqa: S310
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(2)
-    raise StepError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
-
-
-class ServerBackend:
-    name = "vllm-server"
-
-    def __init__(self, base_url: str, served_name: str, batch_size: int = 16,
-                 timeout: float = 600.0):
-        self.base_url, self.served_name = base_url.rstrip("/"), served_name
-        self.batch_size, self.timeout = batch_size, timeout
-
-    def window_logprobs(self, windows: list[list[int]]) -> list[list[float]]:
-        results: list[list[float]] = []
-        for start in range(0, len(windows), self.batch_size):
-            batch = windows[start:start + self.batch_size]
-            reply = _post(f"{self.base_url}/v1/completions",
-                          echo_request(self.served_name, batch), self.timeout)
-            choices = sorted(reply["choices"], key=lambda c: c["index"])
-            results.extend(from_openai_echo(c, len(w)) for c, w in zip(choices, batch,
-                                                                      strict=True))
-        return results
-
-    def complete(self, prompts: list[list[int]], temperature: float, max_new_tokens: int,
-                 seed: int, eos_id: int | None) -> list[list[int]]:
-        outputs = []
-        for prompt in prompts:
-            body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_new_tokens,
-                    "temperature": temperature, "seed": seed, "return_token_ids": True}
-            choice = _post(f"{self.base_url}/v1/completions", body, self.timeout)["choices"][0]
-            outputs.append(list(choice["token_ids"]))
-        return outputs
-
-
-class ServedModel:
-    """``vllm serve`` as a child process for the length of a ``with`` block."""
-
-    def __init__(self, model_dir: str, port: int, max_model_len: int, served_name: str,
-                 log_path: Path, startup_timeout: float = 900.0):
-        self.command = serve_command(model_dir, port, max_model_len, served_name)
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path, self.startup_timeout = log_path, startup_timeout
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> ServedModel:
-        log(f"starting {' '.join(self.command)} (log: {self.log_path})")
-        with open(self.log_path, "ab") as handle:
-            self.proc = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT)
-        wait_healthy(self.base_url, self.startup_timeout, self.proc)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                     use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001
+            raise StepError(f"vLLM failed on {self.model_dir}: {vllm_reason(exc)}") from exc
 
 
 # --- 3. lm-evaluation-harness ----------------------------------------------------------------

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,23 +136,32 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def open_backend(args: argparse.Namespace, stack: contextlib.ExitStack):
+def open_backend(args: argparse.Namespace, stack: contextlib.ExitStack, server: dict):
+    """The backend ``--backend`` names; a server started here fills ``server`` (its record)."""
     if args.backend == "transformers":
         from jobscripts.eval_hf import TransformersBackend
 
         return TransformersBackend(args.model, args.batch_size, args.num_threads)
-    if args.backend == "vllm":
-        from jobscripts.eval_vllm import VllmBackend
+    from jobscripts.eval_vllm import VllmBackend, engine_settings
 
+    if args.backend == "vllm":
         return VllmBackend(args.model, args.max_model_len, seed=args.seed)
-    from jobscripts.eval_vllm import ServedModel, ServerBackend
+    from jobscripts.eval_vllm_server import ServedModel, ServerBackend
 
     url = args.server_url
     if url is None:
-        log_path = Path(args.output_dir) / "vllm-serve.log"
-        url = stack.enter_context(ServedModel(args.model, args.server_port, args.max_model_len,
-                                              SERVED_NAME, log_path)).base_url
+        engine, cpu = engine_settings(args.model, args.max_model_len, args.seed)
+        url = stack.enter_context(ServedModel(
+            engine, args.server_port, SERVED_NAME, Path(args.output_dir) / "vllm-serve.log", cpu,
+            record=server)).base_url
     return ServerBackend(url, SERVED_NAME, args.batch_size)
+
+
+def write_logprobs(path: str, windows: list[list[int]], logprobs: list[list[float]]) -> None:
+    """``--logprobs-out``: every scored window and its per-token log-probs (cross-checks)."""
+    from jobscripts.results import write_json_atomic
+
+    write_json_atomic(path, {"windows": windows, "logprobs": logprobs})
 
 
 def sample(backend, tokenizer, prompts: list[str], args, eod: int) -> list[dict]:
@@ -190,7 +200,11 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     if args.max_model_len < 2:
         raise StepError("--max-model-len must be at least 2")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    try:  # first, before any engine starts: a missing tokenizer costs no GPU minute
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    except (OSError, ValueError) as exc:
+        raise StepError(f"{args.tokenizer or args.model}: cannot load the tokenizer: {exc}"
+                        ) from exc
     eod = tokenizer.eos_token_id
     if eod is None:
         raise StepError(f"{args.tokenizer or args.model}: the tokenizer defines no EOS/EOD token")
@@ -202,15 +216,29 @@ def evaluate(args: argparse.Namespace) -> dict:
         f"backend {args.backend}")
     lm_eval = run_lm_eval(args) if args.lm_eval_tasks else None  # first: it needs the GPU
     window_len = args.max_model_len - 1
+    server: dict = {}
+    timings: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
-        backend = open_backend(args, stack)
-        summary = score(documents, eod, window_len, backend.window_logprobs).summary()
+        started = time.monotonic()
+        backend = open_backend(args, stack, server)
+        timings["backend_start_s"] = round(time.monotonic() - started, 2)
+
+        def logprobs_of(windows: list[list[int]]) -> list[list[float]]:
+            started = time.monotonic()
+            values = backend.window_logprobs(windows)
+            timings["scoring_s"] = round(time.monotonic() - started, 3)
+            if args.logprobs_out:
+                write_logprobs(args.logprobs_out, windows, values)
+            return values
+
+        summary = score(documents, eod, window_len, logprobs_of).summary()
         log(f"perplexity {summary['perplexity']:.4f}, bits/byte {summary['bits_per_byte']}, "
             f"nll/token {summary['nll_per_token']:.4f} over {summary['tokens_evaluated']} tokens")
         samples = sample(backend, tokenizer, read_prompts(args), args, eod)
     return {"model": str(args.model), "backend": args.backend, "data": args.data,
             "heldout": heldout, "max_model_len": args.max_model_len, "window_len": window_len,
-            **summary, "samples": samples, "lm_eval": lm_eval}
+            **summary, "samples": samples, "lm_eval": lm_eval, "timings": timings,
+            "server": server or None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training sequence length")
     p.add_argument("--backend", choices=BACKENDS, default="transformers")
     p.add_argument("--server-url", help="vllm-server: an already running server")
-    p.add_argument("--server-port", type=int, default=8000, help="vllm-server: port to start on")
+    p.add_argument("--server-port", type=int, default=0,
+                   help="vllm-server: port to start it on (0: a free one)")
     p.add_argument("--max-documents", type=int)
     p.add_argument("--max-tokens", type=int, help="stop after this many scored tokens")
     p.add_argument("--prompt", action="append", help="a sampling prompt (repeatable)")
@@ -245,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm-eval-tasks", help="comma-separated lm-evaluation-harness tasks")
     p.add_argument("--lm-eval-include", help="directory of local lm-eval task YAMLs")
     p.add_argument("--lm-eval-limit", type=int, help="examples per lm-eval task")
+    p.add_argument("--logprobs-out", help="write every window's per-token log-probs here")
     p.add_argument("--output-dir", default=".", help="where eval.json (and server logs) go")
     return p
 

@@ -144,12 +144,26 @@ def _report(af: str, ml: str, run_id: str, state: str, seconds: float) -> None:
             val = (seg.get("last_validation") or {}).get("val_lm_loss")
             _say(f"  segment {seg['start_iteration']:>3} -> {seg['end_iteration']:>3} "
                  f"({seg['stop_reason']}): lm loss {loss}, validation loss {val}")
+    _say(f"  evaluation: {_evaluation_line(af, run_id)}")
     plot = STATE / "compare.png"
     subprocess.run([str(BIN / "pretrain-pipeline"), "compare", "demo", "--tracking-uri", ml,
                     "--output", str(plot)], check=False)
     _say(f"demo campaign {state} in {seconds / 60:.1f} min")
     _say(f"Airflow: {af}/dags/{DAG_ID}   MLflow: {ml}   loss plot: {plot}")
     _say("stop it all with `make demo-down`")
+
+
+def _evaluation_line(af: str, run_id: str) -> str:
+    """Which backend evaluated (vLLM's CPU build on the local cluster) and its figures."""
+    try:
+        value = _get(f"{af}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/evaluate/"
+                     "xcomEntries/return_value")["value"]
+        result = (json.loads(value) if isinstance(value, str) else value)["result"]
+        return (f"backend {result['backend']}, held-out perplexity {result['perplexity']:.2f}, "
+                f"bits per byte {result['bits_per_byte']:.3f} over "
+                f"{result['tokens_evaluated']} tokens")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"no result ({type(exc).__name__}: {exc})"
 
 
 def _alive(pgid: int) -> bool:

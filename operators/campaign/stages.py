@@ -129,7 +129,7 @@ def heldout_data_args(campaign: Campaign, layout: Layout) -> list[str]:
 
 def evaluate(campaign: Campaign, layout: Layout) -> dict:
     """Perplexity and bits per byte on held-out documents, plus sample completions."""
-    backend = "transformers" if campaign.model.reference is not None else "vllm"
+    backend = "vllm"  # the CPU build on the local cluster, the GPU image in production
     return _stage(campaign, "jobscripts.evaluate", "--model", layout.hf_export,
                   *heldout_data_args(campaign, layout), "--split", campaign.data.split,
                   "--max-model-len", campaign.training.seq_length,

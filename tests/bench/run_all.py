@@ -6,13 +6,23 @@ import subprocess
 import sys
 
 BENCHES = ["tests.bench.bench_slurm", "tests.bench.bench_tokenize", "tests.bench.bench_trainer",
-           "tests.bench.bench_mlflow", "tests.bench.bench_dag_parse"]
+           "tests.bench.bench_mlflow", "tests.bench.bench_dag_parse", "tests.bench.bench_evaluate"]
+# Benches that need vLLM run in the cluster's job venv (the only one with vLLM's CPU build).
+JOB_VENV_BENCHES = {"tests.bench.bench_evaluate"}
+
+
+def interpreter(module: str) -> str:
+    if module not in JOB_VENV_BENCHES:
+        return sys.executable
+    from tests.support import cluster
+
+    return cluster.connection()["extra"]["remote_python"]
 
 
 def main() -> int:
     failed = 0
     for module in BENCHES:
-        proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True)
+        proc = subprocess.run([interpreter(module), "-m", module], capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
         if proc.returncode != 0 or not lines:
             failed += 1

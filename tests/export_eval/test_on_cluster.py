@@ -21,106 +21,16 @@ import shutil
 import subprocess
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from operators.campaign import stages
-from operators.campaign.layout import Layout
-from operators.campaign.load import campaign_from_dict
-from operators.campaign.paths import RunPaths
-from tests.campaign.util import DELETE, edited, raw
+from tests.export_eval.cluster_site import HOME, MLFLOW_CONN, USER
 from tests.support import cluster
 from tests.support.export import TRAIN_ITERS
 
 pytestmark = pytest.mark.cluster
-USER = "pretrain"
-HOME = Path("/home/pretrain")
-ROOT = HOME / "pp-test-export-eval"
-CI_CAMPAIGN = cluster.REPO / "tests" / "campaigns" / "ci_campaign.yaml"
-MLFLOW_CONN = "mlflow_export_eval"
-SBATCH_FLAGS = {"partition": "--partition", "account": "--account", "qos": "--qos",
-                "time": "--time", "cpus_per_task": "--cpus-per-task", "mem": "--mem"}
-
-
-@dataclass
-class Site:
-    base: Path  # everything of this module on the cluster's disk
-    campaign: dict  # the campaign document
-    layout: Layout
-    dataset: str  # the trained-on prefix, as the cluster sees it
-    untrained: str  # HF directory of the model before training
-
-
-def campaign_document(base: Path, dataset: str, trained) -> dict:
-    return edited(raw(CI_CAMPAIGN), {
-        "name": "export_eval_test", "cluster.remote_root": str(base), "cluster.time_limit": "10",
-        "cluster.mem": "3G", "data.source": DELETE, "data.prefixes": [dataset],
-        "data.split": trained.split,
-        "data.tokenizer": {"path": str(base / "export_eval_test" / "data" / "tokenizer")},
-        "training.seq_length": trained.seq_length,
-        "tracking": {"enabled": True, "mlflow_conn_id": MLFLOW_CONN,
-                     "experiment": f"export-eval-{base.name}"}})
-
-
-@pytest.fixture(scope="module")
-def site(local_cluster, trained) -> Site:
-    base = ROOT / uuid.uuid4().hex[:10]
-    dataset = base / "data" / "synthetic_text_document"
-    doc = campaign_document(base, str(dataset), trained)
-    layout = Layout(RunPaths.for_campaign(campaign_from_dict(doc)))
-    try:
-        shutil.copytree(trained.root, layout.checkpoints)
-        shutil.copytree(trained.tokenizer, layout.tokenizer)
-        shutil.copytree(trained.untrained, base / "untrained")
-        dataset.parent.mkdir()
-        for suffix in (".bin", ".idx"):
-            shutil.copy(f"{trained.dataset}{suffix}", f"{dataset}{suffix}")
-        subprocess.run(["chown", "-R", f"{USER}:{USER}", str(ROOT)], check=True)
-        yield Site(base, doc, layout, str(dataset), str(base / "untrained"))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def run_stage(stage: dict, run_dir: Path) -> dict:
-    """The stage's command as a Slurm job in ``run_dir``, as SlurmJobOperator runs it: the
-    cluster's Python in ``$PP_PYTHON``, the stage's sbatch options. Returns its result JSON."""
-    cluster.remote(f"mkdir -p {shlex.quote(str(run_dir))}")
-    python = cluster.connection()["extra"]["remote_python"]
-    flags = " ".join(f"{SBATCH_FLAGS[k]}={shlex.quote(str(v))}" for k, v in stage["job"].items())
-    command = (f"cd {shlex.quote(str(run_dir))} && sbatch --wait --parsable {flags} "
-               f"--output=slurm-%j.out --export=ALL,PP_PYTHON={shlex.quote(python)} "
-               f"--wrap={shlex.quote(stage['command'])}")
-    try:
-        cluster.remote(command)
-    except subprocess.CalledProcessError as exc:
-        logs = "".join(p.read_text(errors="replace")[-4000:] for p in run_dir.glob("slurm-*.out"))
-        raise AssertionError(f"job failed (rc {exc.returncode}): {exc.stderr}\n{logs}") from exc
-    return json.loads((run_dir / stage["result_file"]).read_text())
-
-
-@pytest.fixture(scope="module")
-def cluster_export(site) -> dict:
-    campaign = campaign_from_dict(site.campaign)
-    result = run_stage(stages.export(campaign, site.layout), site.base / "runs" / "export")
-    assert result["ok"] and result["iteration"] == TRAIN_ITERS, result
-    return result
-
-
-@pytest.fixture(scope="module")
-def evaluations(site, cluster_export) -> tuple[dict, dict]:
-    """(trained, untrained): the evaluate stage's job, and the same job on the model before
-    training; both at once (the node has a core for each)."""
-    stage = stages.evaluate(campaign_from_dict(site.campaign), site.layout)
-    untrained = {**stage, "command": stage["command"].replace(site.layout.hf_export,
-                                                              site.untrained)}
-    assert untrained["command"] != stage["command"]
-    with ThreadPoolExecutor(2) as pool:
-        after = pool.submit(run_stage, stage, site.base / "runs" / "evaluate")
-        before = pool.submit(run_stage, untrained, site.base / "runs" / "evaluate-untrained")
-        return after.result(), before.result()
 
 
 def megatron_splits(trained, tmp_path) -> tuple[list[int], list[int], set[int]]:

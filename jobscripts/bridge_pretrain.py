@@ -48,7 +48,7 @@ _FAMILY_PACKAGES = ("llama", "qwen", "deepseek", "gemma", "glm", "gpt_oss", "nem
                     "moonlight", "ministral3", "kimi")
 
 # Set to 1 (tests on a CPU cluster): stop once Bridge has built the config, before pretrain().
-PREFLIGHT_ENV = "PP_BRIDGE_PREFLIGHT"
+PREFLIGHT_ENV = "BRIDGE_CONFIG_ONLY"  # not PP_*: campaigns may not set those
 
 FieldsOf = Callable[[Any], Mapping[str, Any] | None]
 

@@ -4,7 +4,7 @@ The production campaign with only what this machine needs changed: the ``gpu`` p
 (four GPUs counted by Slurm, no devices), 1 node, 1 GPU per node (so context parallelism 1),
 2 CPUs, not exclusive, the cluster user's paths (binds with the same path inside: the
 ``apptainer`` stand-in, tests/support/standins/apptainer, cannot mount), a ``module`` and an
-entrypoint stand-in that log their calls, and ``PP_BRIDGE_PREFLIGHT=1``. The rendered script
+entrypoint stand-in that log their calls, and ``BRIDGE_CONFIG_ONLY=1``. The rendered script
 (bridge_segment, as the segment task renders it) is submitted with sbatch; in it the set-up
 lines run, srun --mpi=pmi2 --cpus-per-task starts the stand-in, which runs the entrypoint,
 which runs the inner shell (container environment, PYTHONPATH to the shipped jobscripts), which
@@ -60,7 +60,7 @@ def _campaign(tmp_path: Path):
     c["container"].update(image=str(ROOT / "nemo.sif"), entrypoint=str(ROOT / "bin/adapt.sh"),
                           binds=[str(ROOT), f"{ROOT / 'hf_home'}:{ROOT / 'hf_home'}"],
                           environment={"HF_HOME": str(ROOT / "hf_home")})
-    c["environment"] = {**c["environment"], "PP_BRIDGE_PREFLIGHT": "1",
+    c["environment"] = {**c["environment"], "BRIDGE_CONFIG_ONLY": "1",
                         "PATH": f"{ROOT / 'bin'}:/usr/local/bin:/usr/bin:/bin"}
     doc["training"]["context_parallel_size"] = 1
     doc["data"].pop("source")

@@ -237,7 +237,7 @@ def _check_accepted(campaign) -> None:
             assert seen is None or seen.get(key) == value, (task_id, key, value, seen.get(key))
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(mutated())
 def test_mutated_campaigns_are_refused_clearly_or_render_safe_scripts(case) -> None:

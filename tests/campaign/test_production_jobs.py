@@ -69,6 +69,10 @@ def jobs(campaign) -> dict[str, dict]:
     rendered["token_gate"] = stages.token_gate(campaign, layout, "/runs/ingest/result.json")
     rendered["export"] = stages.export(campaign, layout)
     rendered["evaluate"] = stages.evaluate(campaign, layout)
+    from operators.campaign.preflight import bridge_preflight_job
+
+    rendered["preflight"] = bridge_preflight_job(
+        campaign, RunPaths.for_campaign(campaign, data_prefixes=[PREFIX]), [])
     rendered["segment_1"] = _segment(campaign)
     rendered["segment_2"] = _segment(campaign, [SEGMENT_1], train_iters=600)
     return rendered
@@ -82,8 +86,8 @@ def _golden(name: str, text: str) -> None:
     assert text == path.read_text(), f"{name} changed (UPDATE_GOLDEN=1 rewrites it)"
 
 
-@pytest.mark.parametrize("name", [*DATA_STAGES, "segment_1", "segment_2", "export",
-                                  "evaluate"])
+@pytest.mark.parametrize("name", [*DATA_STAGES, "preflight", "segment_1", "segment_2",
+                                  "export", "evaluate"])
 def test_golden(jobs, name) -> None:
     _golden(f"{name}.sbatch", _script(name, jobs[name]))
     if name.startswith("segment"):
@@ -130,6 +134,15 @@ def test_export_runs_in_the_training_image_on_cpu(jobs, campaign) -> None:
     assert args[args.index("--tokenizer") + 1] == f"{ROOT}/data/tokenizer"
 
 
+def test_preflight_runs_in_the_training_image_without_a_gpu(jobs, campaign) -> None:
+    script = _script("preflight", jobs["preflight"])
+    d = _directives(script)
+    assert "gpus-per-node" not in d and d["time"] == "00:30:00" and d["cpus-per-task"] == "8"
+    assert f"{campaign.cluster.container.image} /host/adapt.sh bash " in script
+    assert "export HF_HOME=/hf_home; " in script and "export HF_HOME" not in script.split(
+        "\napptainer ", 1)[0]
+
+
 def test_evaluate_runs_in_the_vllm_image_on_one_gpu(jobs) -> None:
     script = _script("evaluate", jobs["evaluate"])
     d = _directives(script)
@@ -146,7 +159,8 @@ def test_a_bridge_campaign_must_name_its_evaluation_image() -> None:
 
 
 # --- 3: site set-up and the entrypoint, quoted ---------------------------------------------
-@pytest.mark.parametrize("name", [*DATA_STAGES, "segment_1", "export", "evaluate"])
+@pytest.mark.parametrize("name", [*DATA_STAGES, "preflight", "segment_1", "export",
+                                  "evaluate"])
 def test_site_setup_runs_before_every_command(jobs, name) -> None:
     lines = _script(name, jobs[name]).splitlines()
     at = lines.index("module load brics/nccl")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -41,6 +42,16 @@ def pytest_collection_modifyitems(items) -> None:
         own = {mark.name for mark in item.iter_markers()}
         for name in sorted(tiers.tiers_of(getattr(item, "fixturenames", ()), own) - own):
             item.add_marker(name)
+
+
+sys.addaudithook(tiers.GUARD)
+
+
+@pytest.fixture(autouse=True)
+def _pure_stays_off_the_cluster(request):
+    tiers.GUARD.active = request.node.get_closest_marker(tiers.PURE) is not None
+    yield
+    tiers.GUARD.active = False
 
 
 def pytest_collection_finish(session) -> None:

@@ -41,3 +41,52 @@ def tiers_of(fixturenames: Iterable[str], markers: Iterable[str]) -> set[str]:
     found = {m for m in markers if m in COSTLY}
     found |= {FIXTURE_TIERS[f] for f in fixturenames if f in FIXTURE_TIERS}
     return found or {PURE}
+
+
+# --- A pure test that reaches the cluster fails at once ---------------------------------------
+# Its tier is read from its fixtures; one that calls tests.support.cluster (or runs sacct, ssh)
+# without them would count as pure and pass here only because this machine has a cluster. The
+# audit hook (tests/conftest.py) refuses those processes and connections while a pure test runs.
+CLUSTER_COMMANDS = frozenset({"ssh", "sftp", "scp", "sacct", "sacctmgr", "squeue", "sbatch",
+                              "scancel", "scontrol", "sinfo", "srun"})
+
+
+class PureGuard:
+    def __init__(self) -> None:
+        self.active = False
+        self._ssh_port: int | None = None
+
+    def ssh_port(self) -> int | None:
+        if self._ssh_port is None:
+            from tests.support import cluster
+
+            try:
+                self._ssh_port = int(cluster.connection()["port"])
+            except (cluster.ClusterNotUp, KeyError, ValueError):
+                self._ssh_port = -1
+        return self._ssh_port
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if not self.active:
+            return
+        if event == "subprocess.Popen":
+            argv = args[1]
+            first = argv.split()[0] if isinstance(argv, str) else str(list(argv)[0])
+            name = first.rsplit("/", 1)[-1]
+            if name in CLUSTER_COMMANDS or "local_cluster.sh" in " ".join(map(str, argv)):
+                raise RuntimeError(f"a pure test ran {name}: give it the local_cluster fixture "
+                                   "or the cluster marker")
+        elif event == "socket.connect":
+            address = args[1]
+            if isinstance(address, tuple) and len(address) >= 2:
+                self.active = False  # ssh_port() itself reads a file, not the network
+                try:
+                    port = self.ssh_port()
+                finally:
+                    self.active = True
+                if address[1] == port:
+                    raise RuntimeError("a pure test connected to the cluster's sshd: give it "
+                                       "the local_cluster fixture or the cluster marker")
+
+
+GUARD = PureGuard()

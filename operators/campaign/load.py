@@ -69,8 +69,6 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         try:
             return super().construct_object(node, deep=deep)
         except (ValueError, TypeError, OverflowError) as exc:  # e.g. a date of 2026-02-30
-            if isinstance(exc, yaml.YAMLError):
-                raise
             raise yaml.constructor.ConstructorError(
                 None, None, f"cannot read this value: {exc}", node.start_mark) from None
 

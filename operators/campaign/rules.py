@@ -159,6 +159,13 @@ def _limits(c):
                              ("cluster.nodes", cl.nodes, MAX_NODES)):
         if value is not None and value > cap:
             yield name, f"{value} is more than any node has (at most {cap})"
+    for stage, placement in c.stages:  # each stage's own placement, where it sets one
+        for field, cap in (("cpus_per_task", MAX_CPUS_PER_TASK),
+                           ("gpus_per_node", MAX_GPUS_PER_NODE)):
+            value = getattr(placement, field)
+            if value is not None and value > cap:
+                yield f"stages.{stage}.{field}", (f"{value} is more than any node has "
+                                                  f"(at most {cap})")
     for stage in ("data", "train", "export"):
         retry = getattr(c.retries, stage)
         if retry.retries > MAX_RETRIES:

@@ -21,8 +21,12 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from operators.campaign.fields import render_words
+
+if TYPE_CHECKING:
+    from operators.campaign.config import Campaign
 
 HOST = "host"  # stages.<name>.image: run on the host, not in a container
 TRAINING = "training"  # a default: the training container's image
@@ -60,7 +64,7 @@ class Launch:
         return CONTAINER_PYTHON if self.image else '"$PP_PYTHON"'
 
 
-def _image(campaign, stage: str, default: StageDefault) -> str | None:
+def _image(campaign: Campaign, stage: str, default: StageDefault) -> str | None:
     given = getattr(campaign.stages, stage).image
     container = campaign.cluster.container
     if given == HOST:
@@ -72,7 +76,7 @@ def _image(campaign, stage: str, default: StageDefault) -> str | None:
     return None
 
 
-def stage_launch(campaign, stage: str, cpus: int | None = None) -> Launch:
+def stage_launch(campaign: Campaign, stage: str, cpus: int | None = None) -> Launch:
     """``stage`` is ``data``, ``preflight``, ``export`` or ``evaluate``; ``cpus``, when
     given, wins (tokenize runs ``data.tokenize_workers`` workers, one per CPU)."""
     default, given, c = DEFAULTS[stage], getattr(campaign.stages, stage), campaign.cluster
@@ -101,7 +105,7 @@ def stage_launch(campaign, stage: str, cpus: int | None = None) -> Launch:
                   environment=dict(container.environment) if container else {})
 
 
-def setup_lines(campaign) -> list[str]:
+def setup_lines(campaign: Campaign) -> list[str]:
     """``cluster.setup`` as script lines, every word quoted. ``set +u`` around them:
     environment-module scripts read unset variables, which ``set -u`` would make fatal."""
     if not campaign.cluster.setup:
@@ -133,7 +137,7 @@ def in_container(launch: Launch, inner: str) -> str:
             + " bash -euo pipefail -c " + shlex.quote(body))
 
 
-def stage_command(campaign, launch: Launch, module: str, *args: object) -> str:
+def stage_command(campaign: Campaign, launch: Launch, module: str, *args: object) -> str:
     """The job's whole command: set-up lines, then ``python -m module args`` (each argument
     quoted) with the host's or the image's Python, in its image when it has one."""
     command = " ".join([launch.python, "-m", shlex.quote(module),

@@ -57,7 +57,8 @@ def _data_prefixes(campaign: Campaign, hook: SlurmHook, layout: Layout) -> list[
     return list(campaign.data.prefixes) if campaign.data.prefixes else None
 
 
-def bridge_preflight_job(campaign, paths: RunPaths, history: list[dict]) -> dict[str, Any]:
+def bridge_preflight_job(campaign: Campaign, paths: RunPaths,
+                         history: list[dict]) -> dict[str, Any]:
     """``SlurmJobOperator`` arguments: segment 1's YAML and environment, checked in the
     training image (the ``preflight`` placement: operators/campaign/placement.py)."""
     from operators.campaign.bridge import BASE_ENVIRONMENT, CONFIG_FILE, bridge_segment

@@ -4,11 +4,25 @@ config segment 1 would get, checked as the trainer loads it, plus the paths it n
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jobscripts import reference_preflight
+from operators.campaign.code_ship import ship, with_pythonpath
+from operators.campaign.layout import Layout
+from operators.campaign.load import load_campaign
+from operators.campaign.paths import RunPaths
+from operators.campaign.preflight import reference_preflight_job
+from operators.slurm.hook import SlurmHook
+from tests.preflight.test_bridge_preflight import _run_job
+from tests.support import cluster
+
+CI_CAMPAIGN = Path(__file__).parents[1] / "campaigns" / "ci_campaign.yaml"
 
 
 @pytest.fixture
@@ -51,3 +65,36 @@ def test_a_config_that_will_run_passes(run_dir):
 def test_a_config_that_would_not_run_fails_naming_the_field(run_dir, changes, named):
     result = _run(run_dir, **changes)
     assert not result["ok"] and named in result["error"], result["error"]
+
+
+def test_the_rendered_reference_preflight_job_on_the_cluster(local_cluster, tmp_path,
+                                                             monkeypatch):
+    """The job the DAG submits for the CI campaign, with the shipped code and the cluster's
+    Python: passes, then fails naming the tokenizer once that directory is gone."""
+    root = Path(f"/home/pretrain/pp-test-reference-preflight-{uuid.uuid4().hex[:8]}")
+    doc = yaml.safe_load(CI_CAMPAIGN.read_text())
+    doc["cluster"]["remote_root"] = str(root)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
+    campaign = load_campaign(tmp_path / "c.yaml")
+    layout = Layout(RunPaths.for_campaign(campaign))
+    prefix = f"{layout.tokens}/corpus_text_document"
+    Path(layout.tokenizer).mkdir(parents=True)
+    Path(layout.tokenizer, "tokenizer.json").write_text("{}")
+    for suffix in (".bin", ".idx"):
+        Path(prefix + suffix).write_bytes(b"\x00" * 64)
+    subprocess.run(["chown", "-R", "pretrain:pretrain", str(root)], check=True)
+    for name, value in cluster.connection_env().items():
+        monkeypatch.setenv(name, value)
+    hook = SlurmHook(cluster.CONN_ID)
+    try:
+        kwargs = reference_preflight_job(campaign, layout, [prefix], [])
+        env = {"PP_PYTHON": local_cluster["extra"]["remote_python"],
+               **with_pythonpath(kwargs["environment"], ship(hook, layout.paths))}
+        result, log = _run_job(hook, {**kwargs, "environment": env})
+        assert result is not None and result["ok"], log[-2000:]
+        shutil.rmtree(layout.tokenizer)
+        result, log = _run_job(hook, {**kwargs, "environment": env})
+        assert result is not None and not result["ok"], log[-2000:]
+        assert f"tokenizer_model: no directory {layout.tokenizer}" in result["error"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -87,13 +87,13 @@ def _stage_job(campaign: Campaign, task_id: str, kwargs: dict, retry: dict,
                **extra) -> SlurmJobOperator:
     """A non-training stage's job; with tracking on it also logs its MLflow child run.
 
-    Its job options and environment are campaign values: data, never templates (as_data).
-    So is its command, unless it holds the project's own template (``templated``).
+    Its job options, environment and command hold campaign values: data, never templates
+    (as_data). A command only known when the task runs is a callable (_token_gate_command).
     """
-    templated = extra.pop("templated", False)
+    command = kwargs["command"]
     kwargs = {**kwargs, "job": as_data(kwargs.get("job") or {}),
               "environment": as_data(kwargs.get("environment") or {}),
-              "command": kwargs["command"] if templated else as_data(kwargs["command"])}
+              "command": command if callable(command) else as_data(command)}
     if campaign.tracking.enabled:
         return CampaignStageOperator(task_id=task_id, campaign=campaign, stage=task_id,
                                      **kwargs, **retry, **extra)
@@ -112,13 +112,24 @@ def _data_stage(campaign: Campaign, layout: Layout, retry: dict):
         steps.append(job("raw_gate", stages.raw_gate(campaign, layout)))
         steps.append(job("tokenizer", stages.tokenizer(campaign, layout)))
         steps.append(job("tokenize", stages.tokenize(campaign, layout)))
-        # Double quotes inside: the command is shell-quoted with single quotes.
-        ingest_result = posixpath.join(
-            '{{ ti.xcom_pull(task_ids="data.ingest")["run_dir"] }}', RESULT_FILE)
-        steps.append(job("token_gate", stages.token_gate(campaign, layout, ingest_result),
-                         outlets=[manifest_asset(campaign, layout)], templated=True))
+        gate = {**stages.token_gate(campaign, layout, "/ingest-result-when-run"),
+                "command": _token_gate_command(campaign, layout)}
+        steps.append(job("token_gate", gate, outlets=[manifest_asset(campaign, layout)]))
         chain(*steps)
     return group
+
+
+def _token_gate_command(campaign: Campaign, layout: Layout):
+    """The token gate's command, which names the ingest job's run directory (known once that
+    job ran): Airflow calls a callable template field with the task's context, so no Jinja is
+    involved and no campaign value can be read as a template (a Jinja template here would
+    also render the container environment the command carries)."""
+    def command(context, jinja_env=None) -> str:
+        run_dir = context["ti"].xcom_pull(task_ids="data.ingest")["run_dir"]
+        return stages.token_gate(campaign, layout,
+                                 posixpath.join(run_dir, RESULT_FILE))["command"]
+
+    return command
 
 
 def _finished_task(campaign: Campaign, layout: Layout):

@@ -328,9 +328,10 @@ class SlurmJobOperator(BaseOperator):
 
 
 def _templated(*values: Any) -> bool:
-    """Whether Airflow will render Jinja in any of ``values`` (:func:`as_data` ones: never)."""
+    """Whether Airflow will render any of ``values`` when the task runs: Jinja, or a callable
+    it calls with the context (:func:`as_data` ones: never)."""
     for value in values:
-        if isinstance(value, str) and ("{{" in value or "{%" in value):
+        if callable(value) or (isinstance(value, str) and ("{{" in value or "{%" in value)):
             return True
         if isinstance(value, Mapping) and _templated(*value.values()):
             return True

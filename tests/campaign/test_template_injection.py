@@ -34,12 +34,27 @@ def test_airflow_rendering_leaves_campaign_values_alone() -> None:
         assert task.job["partition"] == "debug" and "{{" not in task.command
 
 
-def test_the_project_template_still_renders() -> None:
+def test_the_token_gate_names_the_ingest_run_without_jinja() -> None:
     task = _dag().get_task("data.token_gate")
-    assert '{{ ti.xcom_pull(task_ids="data.ingest")["run_dir"] }}' in task.command
     task.render_template_fields({"ti": _Ti(), "params": {}})
-    assert "/runs/ingest-1/result.json" in task.command
+    assert "--ingest-result /runs/ingest-1/result.json" in task.command
     assert task.environment == HOSTILE_ENVIRONMENT
+
+
+def test_a_container_environment_in_a_data_stage_image_stays_literal() -> None:
+    """The token gate's command carries the container's environment when the data stage runs
+    in an image: with a Jinja template in that command, it used to render too."""
+    from operators.campaign.dag_factory import build_dag
+    from operators.campaign.load import campaign_from_dict
+    from tests.campaign.util import LLAMA_8B, edited, raw
+
+    campaign = campaign_from_dict(edited(raw(LLAMA_8B), {
+        "stages.data.image": "/scratch/pretrain/containers/data.sif",
+        "cluster.container.environment": {"HF_HOME": "/hf_home", "X_T": "{{ 7*7 }}"}}))
+    for task_id in ("data.ingest", "data.token_gate"):
+        task = build_dag(campaign, auto_register=False).get_task(task_id)
+        task.render_template_fields({"ti": _Ti(), "params": {}})
+        assert "export X_T=" in task.command and "{{ 7*7 }}" in task.command, task_id
 
 
 class _Ti:

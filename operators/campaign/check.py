@@ -51,8 +51,27 @@ def segment_request(campaign: Campaign) -> dict[str, Any]:
     return bridge_job(campaign, RunPaths.for_campaign(campaign))[0]
 
 
+# Where the data stage will put the dataset: the jobs' options do not depend on it.
+_DATA_PATH = ["/dataset-known-when-run_text_document"]
+
+
+def preflight_request(campaign: Campaign) -> dict[str, Any]:
+    """What ``train.preflight`` asks Slurm for, by the functions its operator calls."""
+    from operators.campaign.layout import Layout
+    from operators.campaign.paths import RunPaths
+    from operators.campaign.preflight import bridge_preflight_job, reference_preflight_job
+
+    layout = Layout(RunPaths.for_campaign(campaign))
+    if campaign.model.reference is not None:
+        return reference_preflight_job(campaign, layout, _DATA_PATH, [])["job"]
+    paths = RunPaths.for_campaign(campaign, data_prefixes=_DATA_PATH,
+                                  tokenizer_dir=layout.tokenizer)
+    return bridge_preflight_job(campaign, paths, [])["job"]
+
+
 def plan_lines(campaign: Campaign, dag) -> list[str]:
     from operators.campaign.plan import plan_segments, segment_exit_minutes
+    from operators.campaign.preflight import PreflightOperator
     from operators.campaign.segment import TrainingSegmentOperator
     from operators.campaign.summary import summary
     from operators.slurm.operator import SlurmJobOperator
@@ -75,6 +94,8 @@ def plan_lines(campaign: Campaign, dag) -> list[str]:
     for task in dag.tasks:
         if isinstance(task, TrainingSegmentOperator):
             lines.append(f"  {task.task_id}: {_request(segment_request(c))}")
+        elif isinstance(task, PreflightOperator):
+            lines.append(f"  {task.task_id}: {_request(preflight_request(c))}")
         elif isinstance(task, SlurmJobOperator):
             lines.append(f"  {task.task_id}: {_request(task.job)}")
     return lines

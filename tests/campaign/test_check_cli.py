@@ -21,7 +21,8 @@ def test_valid_campaigns_print_their_plan(capsys) -> None:
                      # the 8B segment: 2 nodes x 4 GPUs, from the Bridge job's own options
                      "train.segment_1: partition=workq nodes=2 ntasks_per_node=1 "
                      "gpus_per_node=4",
-                     "data.tokenize: partition=workq cpus_per_task=32"):
+                     "data.tokenize: partition=workq cpus_per_task=32",
+                     "train.preflight: partition=workq"):
         assert fragment in out, fragment
 
 

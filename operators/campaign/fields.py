@@ -116,7 +116,8 @@ def _source(value: str) -> str:
         raise ValueError(f"only s3:// and hf:// URIs are supported (got {value!r})")
     _no_traversal(value)
     if value.startswith("hf://"):
-        parse_hf_uri(value)
+        # The ingest job gets the path in the repository as an argument of its own.
+        _not_an_option(parse_hf_uri(value).allow_pattern)
     elif value.startswith("s3://"):
         parse_s3_uri(value)
     return value

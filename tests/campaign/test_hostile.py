@@ -115,6 +115,7 @@ def _field_problems(base: Path, changes: dict) -> dict[str, str]:
     (LLAMA_8B, {"cluster.container.image": "--fakeroot"}, "cluster.container.image", "'-'"),
     (LLAMA_8B, {"data.tokenizer.path": "--help"}, "data.tokenizer.path", "'-'"),
     (LLAMA_8B, {"data.source": "--output-dir=/etc"}, "data.source", "'-'"),
+    (LLAMA_8B, {"data.source": "hf://datasets/a/b/-x.parquet"}, "data.source", "'-'"),
     (LLAMA_8B, {"data.manifest": "-m", "data.source": None}, "data.manifest", "'-'"),
     # environments a job cannot export
     (DEMO, {"cluster.environment": {"SHELLOPTS": "x"}}, "cluster.environment.SHELLOPTS",

@@ -103,7 +103,7 @@ def _paths(c):
                                  "name the Hugging Face model id it is built from (export "
                                  "reads that model's config.json from HF_HOME)")
     if c.model.recipe is not None and c.cluster.container is not None \
-            and _evaluate_image(c) is None:
+            and c.stages.evaluate.image is None:
         yield "stages.evaluate.image", ("a Bridge campaign evaluates with vLLM on a GPU: name "
                                         "an image with vLLM (or 'host' for the cluster's Python)")
     if c.checkpoint.dir is None and c.cluster.remote_root is None:
@@ -116,10 +116,6 @@ def _paths(c):
     if k.keep_every is not None and k.keep_every % k.save_interval:
         yield "checkpoint.keep_every", (f"{k.keep_every} is not a multiple of save_interval "
                                         f"{k.save_interval}, so few saves would land on it")
-
-
-def _evaluate_image(c) -> str | None:
-    return c.stages.evaluate.image
 
 
 def _segments(c):

@@ -43,7 +43,7 @@ DAG_ID = f"pretrain__{NAME}_noblend"
 BRIDGE_IMPORT_S = 600  # a Slurm job that imports Bridge on this 2-core machine
 
 
-def _local_production(name: str, prefix: Path) -> dict:
+def _local_production(name: str, prefix: Path, hf_home: Path = ROOT / "hf_home") -> dict:
     doc = yaml.safe_load((REPO / "dags" / "campaigns" / "llama31_8b_fp8.yaml").read_text())
     doc["name"] = name
     c = doc["cluster"]
@@ -56,7 +56,7 @@ def _local_production(name: str, prefix: Path) -> dict:
     c["container"].pop("entrypoint", None)
     # HF_HOME where the campaign sets it: the container's environment, or the cluster's.
     inside = c["container"] if "environment" in c["container"] else c
-    inside["environment"] = {**inside.get("environment", {}), "HF_HOME": str(ROOT / "hf_home")}
+    inside["environment"] = {**inside.get("environment", {}), "HF_HOME": str(hf_home)}
     c["environment"] = {**c.get("environment", {}),
                         "PATH": f"{ROOT / 'bin'}:/usr/local/bin:/usr/bin:/bin"}
     doc["data"].pop("source", None)
@@ -66,9 +66,9 @@ def _local_production(name: str, prefix: Path) -> dict:
     return doc
 
 
-def _campaign(tmp_path: Path, name: str = NAME, prefix: Path = PREFIX):
+def _campaign(tmp_path: Path, name: str = NAME, prefix: Path = PREFIX, **changes):
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(_local_production(name, prefix), sort_keys=False))
+    path.write_text(yaml.safe_dump(_local_production(name, prefix, **changes), sort_keys=False))
     return load_campaign(path)
 
 
@@ -81,6 +81,7 @@ def cluster_files(local_cluster) -> Path:
     (ROOT / "tokenizer").mkdir()
     (ROOT / "tokenizer" / "tokenizer.json").write_text("{}")
     write_hf_home(ROOT / "hf_home")
+    (ROOT / "empty_hf_home").mkdir()
     (ROOT / "bin").mkdir()
     shutil.copy(Path(__file__).with_name("apptainer"), ROOT / "bin" / "apptainer")
     (ROOT / "bin" / "apptainer").chmod(0o755)
@@ -139,6 +140,19 @@ def test_production_campaign_passes_preflight_with_bridges_own_checks(hook, tmp_
     # The Bridge venv has no copy of the project: the job ran the code the campaign shipped.
     assert f"export PYTHONPATH={code_dir}" in kwargs["command"]
     print(f"preflight job: {result['seconds']} s")
+
+
+def test_recipe_model_config_missing_from_hf_home_fails_before_any_gpu_job(hook, tmp_path):
+    """Issue 12.4: offline, the recipe's HF config must be in HF_HOME; preflight says so."""
+    campaign = _campaign(tmp_path, hf_home=ROOT / "empty_hf_home")
+    kwargs, _ = _rendered(hook, campaign)
+    result, log = _run_job(hook, kwargs)
+    assert result is not None and result["ok"] is False, log[-3000:]
+    assert result["failed_check"] == "model.recipe llama31_8b"
+    error = result["error"]
+    assert "the recipe could not load its Hugging Face model config" in error, error
+    assert f"HF_HOME={ROOT / 'empty_hf_home'}, HF_HUB_OFFLINE=1" in error
+    assert "meta-llama/Meta-Llama-3.1-8B" in error
 
 
 CASES = {

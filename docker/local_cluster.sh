@@ -48,10 +48,19 @@ running_pid() {
 # as we are not a process-group leader it execs in place, so $! is the daemon's own PID.
 # Its stdout/stderr is its log: Slurm daemons under -D log to stderr (a LogFile too would
 # duplicate every line), and early fatal errors land there whatever the daemon.
+# Every descriptor above 2 is closed for the daemon: one inherited from a caller's
+# `flock -x /tmp/pp-cluster.lock ... up` would hold that lock for as long as the daemon lives
+# (it happened: munged, mariadbd and slurmdbd held the tests' cluster lock, and every test waited).
+close_inherited_fds() {
+  local fd
+  for fd in $(ls "/proc/$BASHPID/fd"); do ((fd > 2)) && eval "exec $fd>&-"; done; return 0
+}
+
 start_daemon() {
   local name=$1 pid; shift
   if pid=$(running_pid "$name"); then log "$name already running (pid $pid)"; return 0; fi
-  setsid "$@" >>"$STATE/log/$name.log" 2>&1 </dev/null 9>&- &  # 9: the lock, not theirs to hold
+  # The subshell execs setsid, which execs the daemon in place: $! is the daemon's PID.
+  (close_inherited_fds; exec setsid "$@") >>"$STATE/log/$name.log" 2>&1 </dev/null &
   echo $! >"$STATE/pids/$name.pid"
   log "$name started (pid $!)"
 }

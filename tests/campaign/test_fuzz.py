@@ -122,7 +122,8 @@ def mutated(draw) -> tuple[str, bytes]:
         elif kind == "env":
             _set(doc, ("cluster", "environment", draw(ENV_KEY)), draw(SCALAR))
         elif kind == "env_ok":  # a name a job may export, a value that is only tricky
-            _set(doc, ("cluster", "environment", draw(st.sampled_from(["NCCL_DEBUG", "X_1"]))),
+            where = draw(st.sampled_from([("cluster",), ("cluster", "container")]))
+            _set(doc, (*where, "environment", draw(st.sampled_from(["NCCL_DEBUG", "X_1"]))),
                  draw(ENV_TEXT))
         elif kind == "delete":
             _delete(doc, path)
@@ -229,12 +230,18 @@ def _check_accepted(campaign) -> None:
     for task_id, script, _env in scripts:
         syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
         assert syntax.returncode == 0, (task_id, syntax.stderr, script)
+    inside = dict(campaign.cluster.container.environment) if campaign.cluster.container else {}
     for task_id, script, env in scripts:
         with tempfile.TemporaryDirectory(prefix="pp-fuzz-run-") as work:
             seen = _run(script, Path(work))
         for key, value in env.items():
             assert f"export {key}={shlex.quote(value)}\n" in script
-            assert seen is None or seen.get(key) == value, (task_id, key, value, seen.get(key))
+        # The program sees each value as written: the host's, or in a container job the
+        # container's (its inner shell exports them after the host's).
+        for key in {*env, *inside}:
+            allowed = {env.get(key), *([inside[key]] if key in inside else [])}  # None: a
+            # name only the container has, which a host job never sees
+            assert seen is None or seen.get(key) in allowed, (task_id, key, seen.get(key))
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,

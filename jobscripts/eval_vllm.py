@@ -51,10 +51,10 @@ def limits_for(model_dir: str, max_model_len: int, cpu: bool) -> EngineLimits:
     try:
         vocab_size, max_positions, dtype = model_shape(model_dir)
         memory = None
-        if not cpu:
-            import torch
+        if not cpu:  # through NVML, as vLLM sizes its defaults: no CUDA context here
+            from vllm.platforms import current_platform
 
-            memory = torch.cuda.get_device_properties(0).total_memory
+            memory = current_platform.get_device_total_memory()
         logits_dtype = "float32" if cpu or dtype not in DTYPE_BYTES else dtype
         return engine_limits(max_model_len, vocab_size, logits_dtype, memory, max_positions)
     except ValueError as exc:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from operators.campaign.paths import RunPaths
+from operators.campaign.placement import CODE_DIR_VAR
 from operators.slurm.operator import SlurmJobOperator
 
 if TYPE_CHECKING:
@@ -95,9 +96,9 @@ def ship(hook: SlurmHook, paths: RunPaths, version: CodeVersion | None = None) -
 
 
 def with_pythonpath(environment: dict[str, str], code_dir: str) -> dict[str, str]:
-    """The job's environment with the shipped code first on PYTHONPATH (a host job; in a
-    container the command sets it itself)."""
-    return {**environment, "PYTHONPATH": code_dir}
+    """The job's environment with the shipped code on PYTHONPATH (a host job) and named by
+    ``CODE_DIR_VAR`` (for a container command: ``CONTAINER_PYTHONPATH``)."""
+    return {**environment, "PYTHONPATH": code_dir, CODE_DIR_VAR: code_dir}
 
 
 class ShipsCode:

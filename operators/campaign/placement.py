@@ -32,6 +32,13 @@ HOST = "host"  # stages.<name>.image: run on the host, not in a container
 TRAINING = "training"  # a default: the training container's image
 CONTAINER_PYTHON = "python3"  # the image's own interpreter ($PP_PYTHON is the host's)
 
+# Names the shipped code's directory in every job's host environment. Apptainer hands the host's
+# environment to the container, but an image's own PYTHONPATH (the NeMo image sets one) wins over
+# the host's, so a container command prepends this to the image's PYTHONPATH itself.
+CODE_DIR_VAR = "PP_CODE_DIR"
+CONTAINER_PYTHONPATH = (f'[ -z "${{{CODE_DIR_VAR}:-}}" ] || '
+                        f'export PYTHONPATH="${CODE_DIR_VAR}${{PYTHONPATH:+:$PYTHONPATH}}"')
+
 
 @dataclass(frozen=True)
 class StageDefault:
@@ -143,5 +150,5 @@ def stage_command(campaign: Campaign, launch: Launch, module: str, *args: object
     command = " ".join([launch.python, "-m", shlex.quote(module),
                         *(shlex.quote(str(a)) for a in args)])
     if launch.image:
-        command = in_container(launch, command)
+        command = in_container(launch, f"{CONTAINER_PYTHONPATH}; {command}")
     return "\n".join([*setup_lines(campaign), command])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from operators.campaign import bridge, stages
 from operators.campaign.layout import Layout
 from operators.campaign.load import campaign_from_dict, load_campaign
 from operators.campaign.paths import RunPaths
+from operators.campaign.placement import CODE_DIR_VAR, CONTAINER_PYTHONPATH
 from operators.campaign.segment import TrainingSegmentOperator
 from operators.slurm.operator import build_spec
 from operators.slurm.render import render_script
@@ -127,9 +129,10 @@ def test_export_runs_in_the_training_image_on_cpu(jobs, campaign) -> None:
                              f"--bind /projects/pretrain/hf_home:/hf_home "
                              f"{campaign.cluster.container.image} /host/adapt.sh bash ")
     inner = shlex.split(launch)[-1]
-    assert inner.startswith("export HF_HOME=/hf_home; python3 -m jobscripts.export_hf ")
+    assert inner.startswith(f"export HF_HOME=/hf_home; {CONTAINER_PYTHONPATH}; "
+                            "python3 -m jobscripts.export_hf ")
     # 1: the recipe's HF model, resolved from HF_HOME by the job, never the tokenizer dir.
-    args = shlex.split(inner.split("; ", 1)[1])
+    args = shlex.split(inner.rsplit("; ", 1)[1])
     assert args[args.index("--hf-model") + 1] == "meta-llama/Meta-Llama-3.1-8B"
     assert args[args.index("--tokenizer") + 1] == f"{ROOT}/data/tokenizer"
 
@@ -141,6 +144,19 @@ def test_preflight_runs_in_the_training_image_without_a_gpu(jobs, campaign) -> N
     assert f"{campaign.cluster.container.image} /host/adapt.sh bash " in script
     assert "export HF_HOME=/hf_home; " in script and "export HF_HOME" not in script.split(
         "\napptainer ", 1)[0]
+
+
+@pytest.mark.parametrize("name", ["export", "evaluate"])
+def test_container_jobs_put_the_shipped_code_before_the_images_pythonpath(jobs, name) -> None:
+    """2: an image's own PYTHONPATH (the NeMo image sets one) wins over the host's inside
+    apptainer, so the container command itself puts the shipped code first."""
+    inner = shlex.split(_script(name, jobs[name]).splitlines()[-1])[-1]
+    prefix = inner.split("; python3 -m ", 1)[0]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "/opt/megatron-lm",
+           CODE_DIR_VAR: "/scratch/c/code/abc"}
+    seen = subprocess.run(["bash", "-euo", "pipefail", "-c", f'{prefix}; echo "$PYTHONPATH"'],
+                          env=env, capture_output=True, text=True, check=True).stdout
+    assert seen == "/scratch/c/code/abc:/opt/megatron-lm\n"
 
 
 def test_evaluate_runs_in_the_vllm_image_on_one_gpu(jobs) -> None:

@@ -203,6 +203,7 @@ class ClusterPoller:
                     delays = None
                     if found.degraded:
                         self.stats.degraded_rounds += 1
+                    if found.degraded and not self.snapshot.error:  # once per outage
                         log.warning("cluster %s: following jobs through squeue: %s",
                                     self.conn_id, found.degraded)
                     await self._publish(found.records, found.degraded)

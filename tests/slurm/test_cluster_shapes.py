@@ -179,3 +179,18 @@ def test_accounting_outage_follows_the_job_through_squeue_on_one_connection(hook
     assert stats.connections_opened == 1  # old: one more per failed round
     assert stats.failed_rounds == 0 and stats.degraded_rounds >= len(during) - 1
     assert seen["recovered_after"] <= 2 * INTERVAL_S + 1.0  # old back-off: up to 60 s
+
+
+@pytest.mark.parametrize("wrapper", [
+    # A site's wrapper that prints sbatch's normal line, naming the cluster (sbatch.c).
+    'sbatch() { id=$(command sbatch "$@") && echo "sbatch: Submitted batch job ${id%%;*} '
+    'on cluster pp-local"; }',
+    # One that swallows the id: sbatch exited 0, so the job exists; found by its key.
+    'sbatch() { command sbatch "$@" > /dev/null && echo "your job is queued"; }',
+])
+def test_wrapped_sbatch(hook, wrapper: str) -> None:
+    with cluster.login_banner(wrapper):
+        assert "sbatch is a function" in hook.run("type sbatch")[1]  # the wrapper is in effect
+        key, _, job_id = submit(hook, "true")
+    record = wait_terminal(hook, job_id, key)  # old: SlurmParseError after the job queued
+    assert record.state == "COMPLETED" and hook.find_by_key(key).job_id == job_id

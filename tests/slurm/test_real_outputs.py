@@ -100,7 +100,8 @@ def test_key_lookup_of_an_array_sees_the_whole_array() -> None:
 def test_a_pending_array_is_one_job_and_its_tasks_are_found_by_their_ids() -> None:
     records = parse_sacct(ARRAY_PENDING)
     assert list(records) == ["13_[2-4%25]"]
-    assert job_view(records, "13").state == "PENDING"  # old: the range string as job id
+    assert job_view(records, "13").state == "PENDING"
+    assert newest_job(records, "pp-shape-pend").job_id == "13"  # old: "13_[2-4%25]"
     assert job_view(records, "13_3").job_id == "13_3"  # inside the range row (old: None)
     assert job_view(records, "13_3").state == "PENDING"
     assert job_view(records, "13_5") is None and job_view(records, "13_[2-4%25]") is not None

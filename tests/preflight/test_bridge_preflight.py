@@ -54,6 +54,8 @@ def _local_production(name: str, prefix: Path, hf_home: Path = ROOT / "hf_home")
     for key in ("setup",):
         c.pop(key, None)
     c["container"].pop("entrypoint", None)
+    # The stand-in checks, as Apptainer does, that the image and every bind source exist.
+    c["container"].update(image=str(ROOT / "nemo.sif"), binds=[str(ROOT)])
     # HF_HOME where the campaign sets it: the container's environment, or the cluster's.
     inside = c["container"] if "environment" in c["container"] else c
     inside["environment"] = {**inside.get("environment", {}), "HF_HOME": str(hf_home)}
@@ -83,7 +85,8 @@ def cluster_files(local_cluster) -> Path:
     write_hf_home(ROOT / "hf_home")
     (ROOT / "empty_hf_home").mkdir()
     (ROOT / "bin").mkdir()
-    shutil.copy(Path(__file__).with_name("apptainer"), ROOT / "bin" / "apptainer")
+    (ROOT / "nemo.sif").write_bytes(b"")
+    shutil.copy(REPO / "tests" / "support" / "standins" / "apptainer", ROOT / "bin" / "apptainer")
     (ROOT / "bin" / "apptainer").chmod(0o755)
     subprocess.run(["chown", "-R", "pretrain:pretrain", str(ROOT)], check=True)
     yield ROOT

@@ -21,7 +21,7 @@ from airflow.sdk import DAG, Asset, Param, TaskGroup, chain, task
 from operators.campaign import stages
 from operators.campaign.code_ship import CampaignJobOperator
 from operators.campaign.layout import RESULT_FILE, Layout
-from operators.campaign.naming import DAG_PREFIX, dag_id  # noqa: F401 - DAG_PREFIX re-exported
+from operators.campaign.naming import dag_id
 from operators.campaign.paths import RunPaths
 from operators.campaign.preflight import TASK_ID as PREFLIGHT_TASK
 from operators.campaign.preflight import PreflightOperator

@@ -55,9 +55,17 @@ def _exactly_one(section: BaseModel, *names: str) -> None:
 
 
 # --- cluster ------------------------------------------------------------------------------
+# Bounds on what one file may ask for: a list or task count past these is a mistake, and
+# unbounded ones cost the DAG processor seconds and memory at every parse (issue: unbounded work).
+MAX_LIST = 256  # binds, set-up lines
+MAX_PREFIXES = 4096  # data prefixes or blend entries
+MAX_SEGMENTS_PER_RUN = 1000  # segment tasks one DAG run holds
+
+
 class Container(Section):
     image: Image  # a .sif file on the cluster, or docker://nvcr.io/nvidia/nemo:<tag>
-    binds: list[Bind] = []  # /host[:/container[:ro]], one --bind each
+    # /host[:/container[:ro]], one --bind each
+    binds: list[Bind] = Field(default=[], max_length=MAX_LIST)
     # A site wrapper the command runs under inside the container (NCCL over the fast network,
     # CUDA forward compatibility), e.g. /host/adapt.sh: plain words, each quoted.
     entrypoint: Command | None = None
@@ -97,7 +105,7 @@ class Cluster(Section):
     time_limit: SlurmTime  # per segment job; segments chain past it
     exclusive: bool = False
     # Site set-up run before every job's command (``module load brics/nccl``): plain words.
-    setup: list[Command] = []
+    setup: list[Command] = Field(default=[], max_length=MAX_LIST)
     container: Container | None = None  # None: run in the host's environment
     environment: Environment = {}  # exported in every job; see fields.env_key
     remote_root: AbsPath | None = None  # campaign dirs live under <remote_root>/<name>/
@@ -143,8 +151,8 @@ class Data(Section):
     # already-tokenized dataset (its manifest.json, Megatron prefixes, or a weighted blend).
     source: Source | None = None  # 'demo', s3://..., hf://..., or a Parquet path/glob
     manifest: SafePath | None = None
-    prefixes: list[AbsPath] | None = Field(default=None, min_length=1)
-    blend: list[BlendItem] | None = Field(default=None, min_length=1)
+    prefixes: list[AbsPath] | None = Field(default=None, min_length=1, max_length=MAX_PREFIXES)
+    blend: list[BlendItem] | None = Field(default=None, min_length=1, max_length=MAX_PREFIXES)
     split: Annotated[str, Field(pattern=r"^[0-9]+,[0-9]+,[0-9]+$")] = "969,30,1"
     min_doc_chars: PosInt = 200
     max_doc_chars: PosInt = 100_000
@@ -265,7 +273,8 @@ class Retries(Section):
 
 
 class Segments(Section):
-    max_per_run: PosInt = 4  # segment tasks one DAG run creates; surplus ones skip when done
+    # segment tasks one DAG run creates; surplus ones skip when done
+    max_per_run: Annotated[PosInt, Field(le=MAX_SEGMENTS_PER_RUN)] = 4
     iters_per_segment: PosInt | None = None  # also cut at iteration multiples (exit_interval)
     # Job start -> the trainer's exit timer (container, imports, recipe; Bridge starts its
     # timer inside pretrain()), until a segment has measured it (startup_seconds).

@@ -144,6 +144,13 @@ def _field_problems(base: Path, changes: dict) -> dict[str, str]:
     (DEMO, {"checkpoint.dir": "/", "cluster.remote_root": None}, "checkpoint.dir", "parent"),
     (DEMO, {"checkpoint.dir": "/ckpt", "cluster.remote_root": None}, "checkpoint.dir",
      "parent"),
+    # unbounded work: counts and lists a DAG parse would build
+    (DEMO, {"segments.max_per_run": 1_000_000}, "segments.max_per_run", "1000"),
+    (LLAMA_8B, {"cluster.container.binds": ["/scratch/pretrain"] * 300},
+     "cluster.container.binds", "at most 256"),
+    (LLAMA_8B, {"cluster.setup": ["module load x"] * 300}, "cluster.setup", "at most 256"),
+    (DEMO, {"data.source": None, "data.prefixes": ["/d/p"] * 5000}, "data.prefixes",
+     "at most 4096"),
     # schedules, as Airflow reads them
     (DEMO, {"schedule": "0 0 31 2 *"}, "schedule", "never fires"),
     (DEMO, {"schedule": "0 0 30 2 *"}, "schedule", "never fires"),

@@ -129,6 +129,16 @@ class SlurmJobTrigger(BaseTrigger):
         except Exception as exc:  # noqa: BLE001 - a log hiccup must not fail the task
             self.log.warning("could not read job log %s: %s", self.log_path, exc)
 
+    def _note_degraded(self, poller: ClusterPoller, error: str | None, was: bool) -> bool:
+        """Say in the task log when the job starts and stops being followed through squeue
+        alone (sacct failing), with the SSH connections the poller has opened so far."""
+        if bool(error) != was:
+            what = (f"followed through squeue, sacct failing: {' '.join(error.split())}"
+                    if error else "sacct answers again")
+            self.log.warning("Slurm job %s: %s (SSH connections opened by this triggerer's "
+                             "poller: %d)", self.job_id, what, poller.stats.connections_opened)
+        return bool(error)
+
     def _event(self, status: str, **fields: Any) -> TriggerEvent:
         return TriggerEvent({"status": status, "job_id": self.job_id,
                              "log_offset": self.log_offset, **fields})
@@ -136,7 +146,7 @@ class SlurmJobTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
         poller.watch(self.job_id, self.job_name)
-        seq, unknown_since, last_state = 0, None, None
+        seq, unknown_since, last_state, degraded = 0, None, None, False
         gate = SettleGate()
         try:
             while True:
@@ -154,6 +164,7 @@ class SlurmJobTrigger(BaseTrigger):
                         return
                     continue
                 unknown_since = None
+                degraded = self._note_degraded(poller, snap.error, degraded)
                 try:
                     outcome = classify(record.state)
                 except UnknownSlurmState as exc:

@@ -169,7 +169,8 @@ def _segment_jobs(story: Story) -> list[dict]:
     jobs = []
     for run_id in story.runs.values():
         for ti in _task_instances(story.af, run_id):
-            if ti["task_id"].startswith("train.") and ti["state"] == "success":
+            # train.segment_N only: train.preflight runs in the same group and submits a job too
+            if ti["task_id"].startswith("train.segment_") and ti["state"] == "success":
                 jobs.append(story.af.xcom(DAG_ID, run_id, ti["task_id"], key="slurm_job"))
     return sorted(jobs, key=lambda job: int(job["job_id"]))
 

@@ -38,6 +38,8 @@ t0=$SECONDS
 
 # --- Python 3.12, readable by the cluster user ----------------------------------------------
 if [[ ! -x $BASE/bin/python3.12 ]]; then
+  # A non-login shell (CI, cron) may lack pyenv's PATH set-up from ~/.bashrc.
+  [[ -x ${PYENV_ROOT:-$HOME/.pyenv}/bin/pyenv ]] && PATH=${PYENV_ROOT:-$HOME/.pyenv}/bin:$PATH
   command -v pyenv >/dev/null || die "pyenv not found: Python $PY_VERSION is needed for Bridge"
   src=$(pyenv prefix "$PY_VERSION") || die "pyenv has no Python $PY_VERSION"
   command -v patchelf >/dev/null || {

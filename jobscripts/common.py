@@ -8,6 +8,7 @@ non-zero on failure, so the Airflow side never has to scrape the log to learn wh
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -79,3 +80,12 @@ def entry_point(
         return run_step(step, args, Path(result_dir(args)) / result_name, body)
 
     return main
+
+
+def process_group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs (signal 0 checks without sending)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from jobscripts.common import StepError, log
+from jobscripts.common import StepError, log, process_group_alive
 from jobscripts.eval_metrics import from_openai_echo
 from jobscripts.vllm_engine import CPU_ENVIRONMENT, cli_flags
 
@@ -174,7 +174,7 @@ class ServedModel:
                 self.proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 continue
-            if not _group_alive(self.proc.pid):
+            if not process_group_alive(self.proc.pid):
                 break
         self.record["port_closed"] = not port_open(self.port)
         log(f"server stopped (exit {self.proc.returncode}); port {self.port} closed: "
@@ -185,10 +185,3 @@ class ServedModel:
         if not self.record["port_closed"]:
             raise StepError(f"port {self.port} still open after the vLLM server stopped")
 
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from jobscripts.common import process_group_alive
 from operators.campaign.layout import Layout
 from operators.campaign.load import load_campaign
 from operators.campaign.naming import dag_id
@@ -166,13 +167,6 @@ def _evaluation_line(af: str, run_id: str) -> str:
         return f"no result ({type(exc).__name__}: {exc})"
 
 
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
 
 def down() -> int:
     for name in ("airflow", "mlflow"):
@@ -186,7 +180,7 @@ def down() -> int:
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _alive(pgid):
+            while time.monotonic() < deadline and process_group_alive(pgid):
                 time.sleep(0.5)
         pgid_file.unlink()
         _say(f"stopped {name}")

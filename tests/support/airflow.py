@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from jobscripts.common import process_group_alive
 from tests.support.cluster import REPO, connection_env, wait_for
 
 VENV_BIN = Path(sys.executable).parent
@@ -71,13 +72,6 @@ def _utc(stamp: str) -> datetime:
     when = datetime.fromisoformat(stamp)
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def dags_test(env: dict[str, str], dag_id: str, conf: dict | None = None,
@@ -140,7 +134,7 @@ class Standalone:
                 except ProcessLookupError:
                     break
                 deadline = time.monotonic() + wait
-                while time.monotonic() < deadline and _group_alive(group):
+                while time.monotonic() < deadline and process_group_alive(group):
                     time.sleep(0.5)
             proc.wait(5)
         self._log.close()

@@ -33,8 +33,7 @@ from operators.slurm.hook import SlurmHook
 from operators.slurm.jobkey import job_key
 from operators.slurm.operator import SlurmJobOperator, build_spec
 from operators.slurm.states import classify
-from tests.preflight.hf_home import write_hf_home
-from tests.support import cluster
+from tests.support import cluster, production_site
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
@@ -74,19 +73,10 @@ def _campaign(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def hook(local_cluster):
-    shutil.rmtree(ROOT, ignore_errors=True)
-    (ROOT / "data").mkdir(parents=True)
-    for suffix in (".bin", ".idx"):
-        Path(f"{PREFIX}{suffix}").write_bytes(b"\x00" * 64)
-    (ROOT / "tokenizer").mkdir()
-    (ROOT / "tokenizer" / "tokenizer.json").write_text("{}")
-    (ROOT / "nemo.sif").write_bytes(b"")
-    write_hf_home(ROOT / "hf_home")
-    (ROOT / "bin").mkdir()
-    shutil.copy(REPO / "tests" / "support" / "standins" / "apptainer", ROOT / "bin" / "apptainer")
+    production_site.lay_out(ROOT, PREFIX)
     (ROOT / "bin" / "adapt.sh").write_text(ENTRYPOINT)
     (ROOT / "bin" / "module").write_text(MODULE)
-    for name in ("apptainer", "adapt.sh", "module"):
+    for name in ("adapt.sh", "module"):
         (ROOT / "bin" / name).chmod(0o755)
     subprocess.run(["chown", "-R", "pretrain:pretrain", str(ROOT)], check=True)
     mp = pytest.MonkeyPatch()

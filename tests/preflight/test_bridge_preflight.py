@@ -30,8 +30,7 @@ from operators.slurm.hook import SlurmHook
 from operators.slurm.jobkey import job_key
 from operators.slurm.operator import build_spec
 from operators.slurm.states import classify
-from tests.preflight.hf_home import write_hf_home
-from tests.support import cluster
+from tests.support import cluster, production_site
 from tests.support.airflow import dags_test
 
 pytestmark = pytest.mark.cluster
@@ -76,18 +75,8 @@ def _campaign(tmp_path: Path, name: str = NAME, prefix: Path = PREFIX, **changes
 
 @pytest.fixture(scope="module")
 def cluster_files(local_cluster) -> Path:
-    shutil.rmtree(ROOT, ignore_errors=True)
-    (ROOT / "data").mkdir(parents=True)
-    for suffix in (".bin", ".idx"):
-        Path(f"{PREFIX}{suffix}").write_bytes(b"\x00" * 64)
-    (ROOT / "tokenizer").mkdir()
-    (ROOT / "tokenizer" / "tokenizer.json").write_text("{}")
-    write_hf_home(ROOT / "hf_home")
+    production_site.lay_out(ROOT, PREFIX)
     (ROOT / "empty_hf_home").mkdir()
-    (ROOT / "bin").mkdir()
-    (ROOT / "nemo.sif").write_bytes(b"")
-    shutil.copy(REPO / "tests" / "support" / "standins" / "apptainer", ROOT / "bin" / "apptainer")
-    (ROOT / "bin" / "apptainer").chmod(0o755)
     subprocess.run(["chown", "-R", "pretrain:pretrain", str(ROOT)], check=True)
     yield ROOT
     shutil.rmtree(ROOT, ignore_errors=True)

@@ -49,10 +49,12 @@ def sbatch(run_dir: str, script_name: str) -> str:
 
 
 def sacct_jobs(job_ids: Iterable[str]) -> str:
+    """Every run of each job: with --jobs, sacct alone prints only a requeued job's newest
+    run, and a poll that came after the requeue could not tell it ever failed."""
     ids = sorted(set(job_ids))
     if not ids:
         raise ValueError("sacct_jobs needs at least one job id")
-    return _query([*_SACCT, "--jobs=" + ",".join(ids)])
+    return _query([*_SACCT, "--duplicates", "--jobs=" + ",".join(ids)])
 
 
 def sacct_name(name: str) -> str:

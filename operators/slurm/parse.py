@@ -113,11 +113,14 @@ def read_sacct(output: str, ours: Ours | None = None) -> Rows:
 
     Step rows (``123.0``, ``123.extern``) are skipped, except that ``123.batch``
     supplies the exit code of the script when the allocation row has none. A
-    requeued job appears once per run; the last row wins, as sacct orders them.
+    requeued job appears once per run (``--duplicates``, oldest first): the last row
+    wins, and its detail says how the run before it ended ("requeued after NODE_FAIL"),
+    which a poll that missed the few seconds of NODE_FAIL would otherwise never learn.
     Allocation rows that are not ``ours`` are left out, with their steps.
     """
     jobs: dict[str, dict[str, str]] = {}
     batch_exit: dict[str, str] = {}
+    requeued_after: dict[str, str] = {}  # job id -> how its previous run ended
     skipped = []
     theirs: set[str] = set()
     for line in output.splitlines():
@@ -134,6 +137,11 @@ def read_sacct(output: str, ours: Ours | None = None) -> Rows:
                 theirs.add(job_id)
                 continue
             theirs.discard(job_id)
+            earlier = jobs.get(job_id)
+            requeued_after.pop(job_id, None)
+            if earlier and earlier["JobName"] == row["JobName"]:  # a requeued job's last run
+                requeued_after[job_id] = normalize_state(earlier["State"])[0]
+            batch_exit.pop(job_id, None)  # an earlier run's script exit is not this run's
             jobs[job_id] = row
         elif step == "batch" and job_id not in theirs:
             batch_exit[job_id] = row["ExitCode"]
@@ -146,6 +154,8 @@ def read_sacct(output: str, ours: Ours | None = None) -> Rows:
             if b_code or b_sig:
                 code, sig = b_code, b_sig
         gpus = _GPU_TRES.search(row["AllocTRES"])
+        if job_id in requeued_after:
+            detail = " ".join(filter(None, (detail, f"requeued after {requeued_after[job_id]}")))
         records[job_id] = JobRecord(
             job_id=job_id, name=row["JobName"], state=base, state_detail=detail,
             exit_code=code, signal=sig, submit=_time(row["Submit"]),
@@ -290,9 +300,11 @@ def needs_squeue(records: dict[str, JobRecord], job_id: str) -> bool:
     """Whether sacct's view of ``job_id`` needs squeue's: unknown yet, maybe requeued, or
     an array or het job that sacct reads as ended. sacct records members a little late: on
     the local cluster (22.05.8) an array read COMPLETED from its other tasks' rows while its
-    failed task had no row yet. squeue still lists every member for MinJobAge."""
+    failed task had no row yet. squeue still lists every member for MinJobAge. And sacct
+    reads PENDING until slurmctld's start message reaches slurmdbd: seen for a second or
+    more on the loaded local cluster, after squeue already said RUNNING."""
     view = job_view(records, job_id)
-    if view is None or _retryable(view.state):
+    if view is None or _retryable(view.state) or view.state == "PENDING":
         return True
     grouped = any(_member_of(k, job_id) for k in records)
     return grouped and _safe_outcome(view.state) not in (Outcome.ACTIVE, None)
@@ -313,5 +325,9 @@ def merge_live(records: dict[str, JobRecord], live: dict[str, JobRecord]) -> dic
             merged[job_id] = row
         elif _retryable(known.state) and _safe_outcome(row.state) is Outcome.ACTIVE:
             merged[job_id] = replace(row, state_detail=f"requeued after {known.state}")
+        elif known.state == "PENDING" and row.state != "PENDING":
+            # slurmdbd has not heard of the start yet; the controller's word is newer.
+            merged[job_id] = replace(row, submit=known.submit,
+                                     state_detail=row.state_detail or known.state_detail)
     return merged
 

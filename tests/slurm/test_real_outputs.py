@@ -295,3 +295,44 @@ def test_an_arrays_own_record_in_transit_is_not_the_array() -> None:
     assert (view.state, view.exit_code) == ("FAILED", 7)
     later = read_sacct("\n".join(ARRAY_58_LATER), ours).records
     assert list(later) == ["58_1"]
+
+
+# -- a requeued job, and sacct behind the controller ---------------------------------------
+
+# local 22.05.8: `sbatch --requeue --wrap 'sleep 30'`, then `scontrol requeue 304`
+# (sacct --duplicates --jobs=304): the first run's rows, then the new pending run.
+REQUEUED = "\n".join([
+    "304|304|wrap|REQUEUED|0:0|2026-12-01T13:00:44|2026-12-01T13:00:45|2026-12-01T13:00:47|2|"
+    "vm|billing=1,cpu=1,node=1|None",
+    "304.batch|304.batch|batch|CANCELLED|0:15|2026-12-01T13:00:45|2026-12-01T13:00:45|"
+    "2026-12-01T13:00:47|2|vm|cpu=1,mem=0,node=1|",
+    "304|304|wrap|PENDING|0:0|2026-12-01T13:00:47|Unknown|Unknown|0|None assigned||None",
+])
+
+
+def test_every_run_of_a_requeued_job_is_read_and_the_last_one_counts() -> None:
+    assert "--duplicates" in commands.sacct_jobs(["304"])  # else sacct prints the last alone
+    job = parse_sacct(REQUEUED)["304"]
+    assert (job.state, job.state_detail) == ("PENDING", "requeued after REQUEUED")
+    assert (job.exit_code, job.signal) == (0, 0)  # not the first run's batch step (0:15)
+    # How a node failure reads when the poll came after the requeue (the few seconds of
+    # NODE_FAIL missed): the detail still says it.
+    failed = parse_sacct(REQUEUED.replace("|REQUEUED|", "|NODE_FAIL|"))["304"]
+    assert failed.state_detail == "requeued after NODE_FAIL"
+    # The same id under another name is a reused id, not a second run.
+    reused = parse_sacct(REQUEUED.replace("304|304|wrap|PENDING", "304|304|other|PENDING"))
+    assert reused["304"].state_detail == ""
+
+
+def test_a_job_sacct_still_reads_pending_follows_squeue() -> None:
+    """The CI failure of session 3: squeue said RUNNING, sacct still PENDING."""
+    pending = query.Result(0, REQUEUED.splitlines()[2] + "\n", "")
+    running = query.Result(0, "304|wrap|RUNNING|None|vm\n", "")
+    found, sent = drive(["304"], pending, running)
+    assert [program(s) for s in sent] == ["sacct", "squeue"]
+    job = job_view(found.records, "304")
+    assert (job.state, job.source, job.nodelist) == ("RUNNING", "squeue", "vm")
+    assert job.submit is not None  # sacct's submit time kept
+    # Both agree it is pending: still pending.
+    found, _ = drive(["304"], pending, query.Result(0, "304|wrap|PENDING|Priority|\n", ""))
+    assert job_view(found.records, "304").state == "PENDING"

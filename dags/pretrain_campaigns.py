@@ -1,6 +1,6 @@
 """Airflow DAGs: one per campaign YAML in ``dags/campaigns/`` that builds.
 
-See operators/campaign/dag_factory.py. A campaign that does not build is left out here and
+See operators/campaign/dag/dag_factory.py. A campaign that does not build is left out here and
 named, with its field and line, by the import error of ``pretrain_campaign_errors.py``, so
 one broken file never hides the others. (Airflow's safe-mode discovery only reads files
 that mention both "airflow" and "dag", which this docstring does.)
@@ -8,6 +8,6 @@ that mention both "airflow" and "dag", which this docstring does.)
 
 from pathlib import Path
 
-from operators.campaign.dag_factory import build_all
+from operators.campaign.dag.dag_factory import build_all
 
 build_all(Path(__file__).parent / "campaigns", globals())

@@ -26,8 +26,8 @@ Both paths:
   the old export or the new one, never half of one;
 - then write ``<output>.export.json`` beside it, whatever ``--result`` says: the listing
   (file names and sizes) that registration fetches over SFTP and checks what it got against
-  (operators/campaign/export_fetch.py). Its ``iteration`` and ``files`` describe the directory
-  published just before it; a crash in between leaves sizes that no longer match, which
+  (operators/campaign/adapters/export_fetch.py). Its ``iteration`` and ``files`` describe the
+  directory published just before it; a crash in between leaves sizes that no longer match, which
   registration refuses.
 
 Result JSON (default: the listing, <output>.export.json): ok, error, mode, output, iteration,

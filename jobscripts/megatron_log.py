@@ -1,5 +1,5 @@
 """Log lines in Megatron Bridge's / Megatron-LM's exact formats, so one parser
-(operators/campaign/logparse.py) serves the reference trainer and Megatron Bridge alike.
+(operators/tracking/logparse.py) serves the reference trainer and Megatron Bridge alike.
 
 The training-log lines are Bridge's ``training_log`` (src/megatron/bridge/training/utils/
 train_utils.py), in its order: the ``Step Time`` line, then the iteration line it measures, then,

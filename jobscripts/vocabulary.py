@@ -1,7 +1,7 @@
 """The vocabulary of what a training job reports: the kinds of record its log carries, the name
 of every metric that reaches MLflow, and why a segment stopped.
 
-The one definition of these names. The log parser (operators/campaign/logparse.py), tracking
+The one definition of these names. The log parser (operators/tracking/logparse.py), tracking
 (operators/tracking/), the trainers that write ``segment.json`` (jobscripts/reference_trainer.py,
 jobscripts/bridge_result.py) and the comparison report all import them from here. It lives in
 ``jobscripts`` because that package is installed both beside Airflow and in the job venv, and it

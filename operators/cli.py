@@ -16,7 +16,7 @@ import importlib
 
 SUBCOMMANDS: dict[str, str] = {
     "compare": "operators.compare",
-    "check": "operators.campaign.check",
+    "check": "operators.campaign.dag.check",
 }
 
 

@@ -22,10 +22,10 @@ import urllib.request
 from pathlib import Path
 
 from jobscripts.common import process_group_alive
-from operators.campaign.layout import Layout
-from operators.campaign.load import load_campaign
-from operators.campaign.naming import dag_id
-from operators.campaign.paths import RunPaths
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import load_campaign
+from operators.campaign.schema.naming import dag_id
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".demo"

@@ -12,7 +12,7 @@ import logging
 
 from airflow.listeners import hookimpl
 
-from operators.campaign.naming import campaign_of_dag
+from operators.campaign.schema.naming import campaign_of_dag
 from operators.tracking.names import CAMPAIGN_TAG, PARENT_TAG, conn_id_from_dag_tags
 
 log = logging.getLogger(__name__)

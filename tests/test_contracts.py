@@ -19,7 +19,7 @@ PRODUCT = ("operators", "jobscripts", "plugins", "dags")
 
 JOB_FILES = "jobscripts/job_files.py"
 NAMES = "operators/tracking/names.py"
-LAYOUT = "operators/campaign/layout.py"
+LAYOUT = "operators/campaign/render/layout.py"
 # literal (a substring of a code string) -> the modules allowed to hold it
 CONTRACTS: dict[str, set[str]] = {
     job_files.TRACKER_FILENAME: {JOB_FILES},
@@ -31,8 +31,8 @@ CONTRACTS: dict[str, set[str]] = {
     "mlflow.parentRunId": {NAMES},
     "pp.": {NAMES},  # every pp.* tag
     "mlflow_conn:": {NAMES},
-    "pretrain__": {"operators/campaign/naming.py"},
-    "mlflow_default": {"operators/campaign/config.py"},  # the schema's default connection
+    "pretrain__": {"operators/campaign/schema/naming.py"},
+    "mlflow_default": {"operators/campaign/schema/config.py"},  # the schema's default connection
     "pp-campaigns": set(),  # the campaign directory comes from the campaign, never a literal
     "pinned_manifest.json": {LAYOUT},
     "segments.jsonl": {LAYOUT},

@@ -16,8 +16,18 @@ ALLOWED: dict[str, set[str]] = {
     "jobscripts": {"jobscripts"},
     "operators.slurm": {"operators.slurm"},
     "operators.tracking": {"operators.tracking", "operators.slurm", "jobscripts"},
-    "operators.campaign": {"operators.campaign", "operators.tracking", "operators.slurm",
-                           "jobscripts"},
+    # operators/campaign/ in four rooms (docs/architecture.md), each importing only those before it:
+    # the schema, rendering runs for the cluster, adapters to the cluster and tracking, and the
+    # Airflow side (DAG factory, operators).
+    "operators.campaign.schema": {"operators.campaign.schema", "operators.slurm", "jobscripts"},
+    "operators.campaign.render": {"operators.campaign.schema", "operators.campaign.render",
+                                  "operators.slurm", "jobscripts"},
+    "operators.campaign.adapters": {"operators.campaign.schema", "operators.campaign.render",
+                                    "operators.campaign.adapters", "operators.tracking",
+                                    "operators.slurm", "jobscripts"},
+    "operators.campaign.dag": {"operators.campaign.schema", "operators.campaign.render",
+                               "operators.campaign.adapters", "operators.campaign.dag",
+                               "operators.tracking", "operators.slurm", "jobscripts"},
 }
 FIRST_PARTY = ("operators", "jobscripts", "plugins", "dags", "tests")
 NEVER_IN_JOBSCRIPTS = ("airflow",)  # jobs run in the cluster's venv, which has no Airflow
@@ -60,9 +70,19 @@ def test_the_check_catches_upward_and_lazy_imports(tmp_path) -> None:
     package = tmp_path / "tracking"
     package.mkdir()
     (package / "m.py").write_text("from operators.slurm import states\n"
-                                  "def f():\n    from operators.campaign import logparse\n"
+                                  "def f():\n    from operators.campaign.render import plan\n"
                                   "import operators.cli\n")
     assert _violations(package, "operators.tracking") == [
-        "tracking/m.py:3 imports operators.campaign", "tracking/m.py:4 imports operators.cli"]
+        "tracking/m.py:3 imports operators.campaign.render",
+        "tracking/m.py:4 imports operators.cli"]
     (package / "m.py").write_text("from airflow.sdk import DAG\n")
     assert _violations(package, "jobscripts") == ["tracking/m.py:1 imports airflow.sdk"]
+
+
+def test_every_campaign_module_is_in_a_room() -> None:
+    """operators/campaign/ keeps no module outside its four rooms, so the layering above covers
+    all of it."""
+    campaign = REPO / "operators" / "campaign"
+    loose = [p.name for p in campaign.glob("*.py") if p.name != "__init__.py"]
+    rooms = {p.name for p in campaign.iterdir() if (p / "__init__.py").exists()}
+    assert loose == [] and rooms == {"schema", "render", "adapters", "dag"}

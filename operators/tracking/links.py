@@ -1,5 +1,5 @@
 """The MLflow run's extra link on a campaign task: the task pushes the run's URL to XCom under
-the link's key once the run exists (operators/campaign/tracking.py)."""
+the link's key once the run exists (operators/campaign/adapters/tracking.py)."""
 
 from __future__ import annotations
 

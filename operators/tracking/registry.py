@@ -7,8 +7,9 @@ the alias ``candidate`` (promotion past candidate is a person's decision, not th
 
 The export is an ``ExportSource``: where it is (recorded in the version's tags) and a way to
 get a local copy of it. ``LocalExport`` is a directory on this machine; the campaign DAG passes
-one that fetches the directory from the cluster over SFTP (operators/campaign/export_fetch.py),
-so nothing assumes the cluster's disk is mounted where Airflow runs.
+one that fetches the directory from the cluster over SFTP
+(operators/campaign/adapters/export_fetch.py), so nothing assumes the cluster's disk is mounted
+where Airflow runs.
 
 Steps, each safe to repeat after a crash or an Airflow retry:
 1. a version whose tags name this campaign and iteration already exists -> return it

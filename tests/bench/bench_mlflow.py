@@ -31,7 +31,7 @@ BUCKET = "bench"
 
 
 def main(iterations: int = ITERATIONS) -> int:
-    from operators.campaign import logparse
+    from operators.tracking import logparse
 
     with (tempfile.TemporaryDirectory(prefix="bench-mlflow-") as tmp,
           tracking_servers(Path(tmp), BUCKET, wait=False) as (_, server)):

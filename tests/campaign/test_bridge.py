@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from operators.campaign import bridge
-from operators.campaign.load import campaign_from_dict, load_campaign
-from operators.campaign.paths import RunPaths
-from operators.campaign.plan import exit_duration_minutes, signal_lead_seconds
+from operators.campaign.render import bridge
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.plan import exit_duration_minutes, signal_lead_seconds
+from operators.campaign.schema.load import campaign_from_dict, load_campaign
 from operators.slurm.operator import build_spec
 from operators.slurm.render import render_script
 from tests.campaign.util import DELETE, LLAMA_8B, edited, raw

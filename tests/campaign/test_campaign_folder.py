@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.campaign.folder import (
+from operators.campaign.dag.folder import (
     CampaignFolderError,
     build_campaigns,
     campaign_files,

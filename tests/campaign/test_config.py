@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from operators.campaign.fields import slurm_minutes
-from operators.campaign.load import CampaignConfigError, campaign_from_dict, load_campaign
-from operators.campaign.summary import reference_params, summary
+from operators.campaign.render.summary import reference_params, summary
+from operators.campaign.schema.fields import slurm_minutes
+from operators.campaign.schema.load import CampaignConfigError, campaign_from_dict, load_campaign
 from tests.campaign.util import DELETE, DEMO, LLAMA_8B, dump, edited, raw
 
 # The reference workflow (docs/campaign.md) as the 8B campaign: every value, defaults included.

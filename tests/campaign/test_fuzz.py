@@ -19,12 +19,12 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from operators.campaign.dag_factory import build_dag
-from operators.campaign.folder import campaign_files
-from operators.campaign.layout import Layout
-from operators.campaign.load import CampaignConfigError, load_campaign
-from operators.campaign.paths import RunPaths
-from operators.campaign.segment import TrainingSegmentOperator
+from operators.campaign.dag.dag_factory import build_dag
+from operators.campaign.dag.folder import campaign_files
+from operators.campaign.dag.segment import TrainingSegmentOperator
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import CampaignConfigError, load_campaign
 from operators.slurm.operator import PYTHON_ENV, SlurmJobOperator, build_spec
 from operators.slurm.render import render_script
 from tests.campaign.util import CAMPAIGNS, raw
@@ -195,10 +195,10 @@ def _scripts(campaign) -> list[tuple[str, str, dict]]:
 
 def _segment(campaign, layout: Layout) -> dict:
     if campaign.model.reference is not None:
-        from operators.campaign.reference import reference_segment
+        from operators.campaign.render.reference import reference_segment
 
         return reference_segment(campaign, layout, ["/data/corpus_text_document"])
-    from operators.campaign.bridge import bridge_segment
+    from operators.campaign.render.bridge import bridge_segment
 
     paths = RunPaths.for_campaign(campaign, data_prefixes=["/data/corpus_text_document"],
                                   tokenizer_dir=layout.tokenizer)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.campaign.load import CampaignConfigError, campaign_from_dict, load_campaign
-from operators.campaign.summary import summary
+from operators.campaign.render.summary import summary
+from operators.campaign.schema.load import CampaignConfigError, campaign_from_dict, load_campaign
 from tests.campaign.util import DEMO, LLAMA_8B, dump, edited, raw
 
 DEMO_TEXT = DEMO.read_text()

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from operators.campaign import bridge
-from operators.campaign.code_ship import ship
-from operators.campaign.load import load_campaign
-from operators.campaign.paths import RunPaths
+from operators.campaign.adapters.code_ship import ship
+from operators.campaign.render import bridge
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import load_campaign
 from operators.slurm.hook import SlurmHook
 from operators.slurm.jobkey import job_key
 from operators.slurm.operator import SlurmJobOperator, build_spec

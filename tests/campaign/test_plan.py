@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from operators.campaign.load import campaign_from_dict
-from operators.campaign.plan import (
+from operators.campaign.render.plan import (
     SegmentNoProgress,
     check_progress,
     next_target,
@@ -13,6 +12,7 @@ from operators.campaign.plan import (
     save_seconds_estimate,
     segment_exit_minutes,
 )
+from operators.campaign.schema.load import campaign_from_dict
 from tests.campaign.util import DEMO, LLAMA_8B, edited, raw
 
 

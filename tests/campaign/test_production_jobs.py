@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from operators.campaign import bridge, stages
-from operators.campaign.layout import Layout
-from operators.campaign.load import campaign_from_dict, load_campaign
-from operators.campaign.paths import RunPaths
-from operators.campaign.placement import CODE_DIR_VAR, CONTAINER_PYTHONPATH
-from operators.campaign.segment import TrainingSegmentOperator
+from operators.campaign.dag.segment import TrainingSegmentOperator
+from operators.campaign.render import bridge, stages
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.placement import CODE_DIR_VAR, CONTAINER_PYTHONPATH
+from operators.campaign.schema.load import campaign_from_dict, load_campaign
 from operators.slurm.operator import build_spec
 from operators.slurm.render import render_script
 from tests.campaign.util import DELETE, LLAMA_8B, edited, raw
@@ -71,7 +71,7 @@ def jobs(campaign) -> dict[str, dict]:
     rendered["token_gate"] = stages.token_gate(campaign, layout, "/runs/ingest/result.json")
     rendered["export"] = stages.export(campaign, layout)
     rendered["evaluate"] = stages.evaluate(campaign, layout)
-    from operators.campaign.preflight import bridge_preflight_job
+    from operators.campaign.dag.preflight import bridge_preflight_job
 
     rendered["preflight"] = bridge_preflight_job(
         campaign, RunPaths.for_campaign(campaign, data_prefixes=[PREFIX]), [])
@@ -168,7 +168,7 @@ def test_evaluate_runs_in_the_vllm_image_on_one_gpu(jobs) -> None:
 
 
 def test_a_bridge_campaign_must_name_its_evaluation_image() -> None:
-    from operators.campaign.load import CampaignConfigError as CampaignError
+    from operators.campaign.schema.load import CampaignConfigError as CampaignError
 
     with pytest.raises(CampaignError, match="stages.evaluate.image"):
         campaign_from_dict(edited(raw(LLAMA_8B), {"stages.evaluate": DELETE}))
@@ -197,7 +197,7 @@ def test_site_setup_runs_before_every_command(jobs, name) -> None:
     ("cluster.container.entrypoint", "`id`"),
 ])
 def test_setup_lines_and_entrypoints_are_plain_words(field, value) -> None:
-    from operators.campaign.load import CampaignConfigError as CampaignError
+    from operators.campaign.schema.load import CampaignConfigError as CampaignError
 
     with pytest.raises(CampaignError, match=re.escape(field)):
         campaign_from_dict(edited(raw(LLAMA_8B), {field: value}))

@@ -44,8 +44,8 @@ def test_the_token_gate_names_the_ingest_run_without_jinja() -> None:
 def test_a_container_environment_in_a_data_stage_image_stays_literal() -> None:
     """The token gate's command carries the container's environment when the data stage runs
     in an image: with a Jinja template in that command, it used to render too."""
-    from operators.campaign.dag_factory import build_dag
-    from operators.campaign.load import campaign_from_dict
+    from operators.campaign.dag.dag_factory import build_dag
+    from operators.campaign.schema.load import campaign_from_dict
     from tests.campaign.util import LLAMA_8B, edited, raw
 
     campaign = campaign_from_dict(edited(raw(LLAMA_8B), {

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from airflow.sdk import DAG
 
-from operators.campaign.load import load_campaign
-from operators.campaign.segment import TrainingSegmentOperator
+from operators.campaign.dag.segment import TrainingSegmentOperator
+from operators.campaign.schema.load import load_campaign
 
 _CI = load_campaign(Path(__file__).parents[1] / "campaigns" / "ci_campaign.yaml")
 STUCK = _CI.model_copy(update={"name": "stuck_before_first_checkpoint"})

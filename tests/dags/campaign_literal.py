@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from operators.campaign.dag_factory import build_dag
-from operators.campaign.load import campaign_from_dict
+from operators.campaign.dag.dag_factory import build_dag
+from operators.campaign.schema.load import campaign_from_dict
 
 ROOT = "/home/pretrain/pp-test-literal"
 # Each would render to something else: 49, a connection's password, a Variable, a '$'.

@@ -2,6 +2,6 @@
 
 from pathlib import Path
 
-from operators.campaign.dag_factory import build_all
+from operators.campaign.dag.dag_factory import build_all
 
 build_all(Path(__file__).parents[1] / "campaigns", globals())

@@ -15,11 +15,11 @@ from pathlib import Path
 import yaml
 from airflow.sdk import DAG
 
-from operators.campaign import stages
-from operators.campaign.layout import RESULT_FILE, Layout
-from operators.campaign.load import campaign_from_dict
-from operators.campaign.paths import RunPaths
-from operators.campaign.stage_operator import CampaignStageOperator
+from operators.campaign.dag.stage_operator import CampaignStageOperator
+from operators.campaign.render import stages
+from operators.campaign.render.layout import RESULT_FILE, Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import campaign_from_dict
 
 ROOT = "/home/pretrain/pp-test-stage-tracking"
 MLFLOW_CONN = "mlflow_stage_test"

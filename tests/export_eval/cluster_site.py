@@ -1,7 +1,7 @@
 """The export/evaluate site on the local cluster, shared by the modules that use it.
 
 One copy of the session's tiny trained model (tests/export_eval/conftest.py) on the cluster
-user's disk, as a campaign laid out by operators/campaign/layout.py; the DAG's own export and
+user's disk, as a campaign laid out by operators/campaign/render/layout.py; the DAG's own export and
 evaluate stage commands run there with sbatch (``run_stage``), as SlurmJobOperator runs them.
 The fixtures are package-scoped (imported by conftest.py): the export and the two
 evaluations run once for test_on_cluster.py and test_vllm_on_cluster.py together.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from operators.campaign import stages
-from operators.campaign.layout import Layout
-from operators.campaign.load import campaign_from_dict
-from operators.campaign.paths import RunPaths
+from operators.campaign.render import stages
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import campaign_from_dict
 from tests.campaign.util import DELETE, edited, raw
 from tests.support import cluster
 from tests.support.export import TRAIN_ITERS

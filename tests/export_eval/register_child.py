@@ -17,10 +17,10 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from operators.campaign.layout import Layout
-    from operators.campaign.load import campaign_from_dict
-    from operators.campaign.paths import RunPaths
-    from operators.campaign.tracking import register
+    from operators.campaign.adapters.tracking import register
+    from operators.campaign.render.layout import Layout
+    from operators.campaign.render.paths import RunPaths
+    from operators.campaign.schema.load import campaign_from_dict
     from operators.slurm.hook import SlurmHook
 
     args = json.loads(argv[0])

@@ -1,6 +1,6 @@
 """Export, held-out evaluation and registration on the local Slurm cluster, as the DAG runs them.
 
-The export and evaluate commands are the campaign DAG's own (operators/campaign/stages.py),
+The export and evaluate commands are the campaign DAG's own (operators/campaign/render/stages.py),
 submitted with sbatch over the real sshd and run by the cluster's job venv. The campaign is
 the tiny model of conftest.py, trained on the synthetic prefix with split 90,10,0: training
 drew only from documents [0, 270), so evaluation must score exactly [270, 300), as
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.campaign import stages
+from operators.campaign.render import stages
 from tests.export_eval.cluster_site import HOME, MLFLOW_CONN, USER
 from tests.support import cluster
 from tests.support.export import TRAIN_ITERS
@@ -148,7 +148,7 @@ def test_registration_fetches_the_export_over_sftp(site, cluster_export, evaluat
 def test_a_listing_that_does_not_match_the_export_is_refused(site, cluster_export, change,
                                                              message, monkeypatch):
     """A copy of the export with an edited listing, read over SFTP as registration reads it."""
-    from operators.campaign.export_fetch import ClusterExport, ExportFetchError
+    from operators.campaign.adapters.export_fetch import ClusterExport, ExportFetchError
     from operators.slurm.hook import SlurmHook
 
     for key, value in cluster.connection_env().items():

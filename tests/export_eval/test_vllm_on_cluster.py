@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.campaign import stages
-from operators.campaign.load import campaign_from_dict
+from operators.campaign.render import stages
+from operators.campaign.schema.load import campaign_from_dict
 from tests.export_eval.cluster_site import LOGPROBS_FILE, USER, run_stage
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm]

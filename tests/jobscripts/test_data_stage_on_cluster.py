@@ -98,7 +98,7 @@ def airflow(dags_test_env, moto_s3, tmp_path_factory) -> dict[str, str]:
     # The docstring matters: Airflow's safe mode parses only files that mention "airflow" and "dag".
     (dags / "data_stage_campaigns.py").write_text(
         '"""Airflow DAGs of the data-stage test campaigns."""\n\nfrom pathlib import Path\n\n'
-        "from operators.campaign.dag_factory import build_all\n\n"
+        "from operators.campaign.dag.dag_factory import build_all\n\n"
         'build_all(Path(__file__).parent / "campaigns", globals())\n')
     campaigns = {
         "ds_bad_corpus": _campaign(

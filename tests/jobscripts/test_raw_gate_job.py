@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from operators.campaign.layout import RESULT_FILE
+from operators.campaign.render.layout import RESULT_FILE
 from operators.slurm.operator import PYTHON_ENV, build_spec, log_path_for, python_module_command
 from operators.slurm.states import Outcome, classify
 from tests.support import cluster

@@ -18,10 +18,10 @@ import pytest
 
 from jobscripts.hf_fetch import HfSource, matching_files, parse_hf_uri
 from jobscripts.s3_fetch import S3Source, parse_s3_uri
-from operators.campaign import stages
-from operators.campaign.layout import Layout
-from operators.campaign.load import CampaignConfigError, campaign_from_dict, load_campaign
-from operators.campaign.paths import RunPaths
+from operators.campaign.render import stages
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import CampaignConfigError, campaign_from_dict, load_campaign
 from tests.campaign.util import DEMO, LLAMA_8B, edited, raw
 from tests.support.data_stage import parquet_bytes, run_main
 from tests.support.mlflow_server import S3_KEY_ID, S3_SECRET

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from jobscripts import vocabulary
-from operators.campaign import logparse
+from operators.tracking import logparse
 from tests.support import cluster
 from tests.support.airflow import Standalone, airflow_env
 from tests.support.mlflow_server import S3_SECRET, TcpProxy
@@ -52,7 +52,7 @@ ITERATION = re.compile(r"iteration\s+(\d+)/")
 DAG_FILE = '''"""Airflow DAG of the fault-injection campaign (test_campaign_faults.py)."""
 from pathlib import Path
 
-from operators.campaign.dag_factory import build_all
+from operators.campaign.dag.dag_factory import build_all
 
 build_all(Path(__file__).parent / "campaigns", globals())
 '''

@@ -51,7 +51,7 @@ def test_demo_dag_shape(bag) -> None:
 
 
 def test_production_dag_trains_with_bridge_segments(bag) -> None:
-    from operators.campaign.segment import TrainingSegmentOperator
+    from operators.campaign.dag.segment import TrainingSegmentOperator
 
     dag = bag.dags["pretrain__llama31_8b_fp8"]
     assert "bridge" in dag.tags

@@ -5,8 +5,8 @@ GPUs, world size 8) with only what the local cluster needs changed: its connecti
 cluster user's directories for data, tokenizer, checkpoints and HF_HOME (which holds Llama 3.1
 8B's config.json only), and PATH naming the test-only ``apptainer`` stand-in, which runs the
 job's command in the Bridge venv (docker/bridge_venv.sh: Bridge 0.6.2 on Python 3.12). The
-jobs import the ``jobscripts`` the campaign shipped (operators/campaign/code_ship.py), not an
-installed copy. Bridge's import takes about a minute here: the bad configurations share one
+jobs import the ``jobscripts`` the campaign shipped (operators/campaign/adapters/code_ship.py),
+not an installed copy. Bridge's import takes about a minute here: the bad configurations share one
 job (the same ``main`` the preflight job runs, once per case), the DAG case fails before it.
 """
 
@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from operators.campaign.code_ship import ship
-from operators.campaign.load import load_campaign
-from operators.campaign.paths import RunPaths
-from operators.campaign.preflight import bridge_preflight_job
+from operators.campaign.adapters.code_ship import ship
+from operators.campaign.dag.preflight import bridge_preflight_job
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import load_campaign
 from operators.slurm.hook import SlurmHook
 from operators.slurm.jobkey import job_key
 from operators.slurm.operator import build_spec
@@ -203,7 +203,7 @@ def noblend_dags(cluster_files, dags_test_env, tmp_path) -> dict[str, str]:
     (dags / "campaigns").mkdir(parents=True)
     (dags / "preflight_campaigns.py").write_text(
         '"""Airflow DAGs of the preflight test campaigns."""\n\nfrom pathlib import Path\n\n'
-        "from operators.campaign.dag_factory import build_all\n\n"
+        "from operators.campaign.dag.dag_factory import build_all\n\n"
         'build_all(Path(__file__).parent / "campaigns", globals())\n')
     doc = _local_production(f"{NAME}_noblend", ROOT / "data" / "absent_text_document")
     (dags / "campaigns" / f"{NAME}_noblend.yaml").write_text(yaml.safe_dump(doc))

@@ -1,4 +1,4 @@
-"""Code shipping (operators/campaign/code_ship.py) over the real SSH/SFTP connection to the
+"""Code shipping (operators/campaign/adapters/code_ship.py) over the real SSH/SFTP connection to the
 local cluster: one content-addressed copy of ``jobscripts`` per version under the campaign's
 directory, uploaded once, and the cluster's Python importing it from there."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.campaign.code_ship import MARKER, code_version, package_root, ship
-from operators.campaign.paths import RunPaths
+from operators.campaign.adapters.code_ship import MARKER, code_version, package_root, ship
+from operators.campaign.render.paths import RunPaths
 from operators.slurm.hook import SlurmHook
 from tests.support import cluster
 

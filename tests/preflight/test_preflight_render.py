@@ -8,12 +8,12 @@ import re
 import shlex
 from pathlib import Path
 
-from operators.campaign import bridge
-from operators.campaign.layout import Layout
-from operators.campaign.load import load_campaign
-from operators.campaign.paths import RunPaths
-from operators.campaign.preflight import bridge_preflight_job
-from operators.campaign.segment import TrainingSegmentOperator
+from operators.campaign.dag.preflight import bridge_preflight_job
+from operators.campaign.dag.segment import TrainingSegmentOperator
+from operators.campaign.render import bridge
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import load_campaign
 from operators.slurm.operator import build_spec
 from operators.slurm.render import render_script
 from tests.campaign.util import LLAMA_8B

@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from jobscripts import reference_preflight
-from operators.campaign.code_ship import ship, with_pythonpath
-from operators.campaign.layout import Layout
-from operators.campaign.load import load_campaign
-from operators.campaign.paths import RunPaths
-from operators.campaign.preflight import reference_preflight_job
+from operators.campaign.adapters.code_ship import ship, with_pythonpath
+from operators.campaign.dag.preflight import reference_preflight_job
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.schema.load import load_campaign
 from operators.slurm.hook import SlurmHook
 from tests.preflight.test_bridge_preflight import _run_job
 from tests.support import cluster

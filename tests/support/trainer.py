@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobscripts import vocabulary
-from operators.campaign import logparse
+from operators.tracking import logparse
 
 
 @dataclass

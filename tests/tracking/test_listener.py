@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from operators.campaign.load import campaign_from_dict
-from operators.campaign.naming import dag_id
+from operators.campaign.schema.load import campaign_from_dict
+from operators.campaign.schema.naming import dag_id
 from operators.tracking import names, runs
 from plugins import listener
 from tests.campaign.util import DEMO, edited, raw
@@ -42,7 +42,7 @@ def test_untracked_campaign_dag_ends_nothing(client, parent) -> None:
 
 
 def test_dag_tags_name_the_campaigns_connection_when_tracked() -> None:
-    from operators.campaign.dag_factory import build_dag
+    from operators.campaign.dag.dag_factory import build_dag
 
     tracked = campaign_from_dict(edited(raw(DEMO), {"tracking.mlflow_conn_id": CONN_ID}))
     dag = build_dag(tracked)

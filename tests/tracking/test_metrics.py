@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobscripts import vocabulary as v
-from operators.campaign import logparse as lp
+from operators.tracking import logparse as lp
 from operators.tracking import metrics, ops
 from tests.tracking.logs import GLOBAL_BATCH, SEQ_LENGTH, VALUES_PER_ITERATION, segment_log
 

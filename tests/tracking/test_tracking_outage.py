@@ -15,8 +15,7 @@ import time
 import pytest
 
 from jobscripts import vocabulary
-from operators.campaign import logparse
-from operators.tracking import runs
+from operators.tracking import logparse, runs
 from operators.tracking.client import make_client
 from operators.tracking.settings import tracking_settings
 from operators.tracking.spool import OPS, Spool

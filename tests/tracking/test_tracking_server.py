@@ -8,9 +8,8 @@ import pytest
 import requests
 
 from jobscripts import vocabulary
-from operators.campaign import logparse
 from operators.slurm.parse import JobRecord
-from operators.tracking import artifacts, params, runs
+from operators.tracking import artifacts, logparse, params, runs
 from operators.tracking.tracker import Tracker
 from tests.support.mlflow_server import BUCKET, S3_KEY_ID, S3_SECRET
 from tests.tracking.logs import GLOBAL_BATCH, SEQ_LENGTH, VALUES_PER_ITERATION, segment_log

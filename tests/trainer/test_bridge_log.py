@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 
 from jobscripts import vocabulary as v
-from operators.campaign import logparse as lp
+from operators.tracking import logparse as lp
 from operators.tracking import metrics
 from tests.support.trainer import run_trainer
 

@@ -1,4 +1,4 @@
-"""operators/campaign/logparse.py on Megatron-LM/Bridge lines and on the reference trainer's
+"""operators/tracking/logparse.py on Megatron-LM/Bridge lines and on the reference trainer's
 formatter (jobscripts/megatron_log.py), with the prefixes srun/torchrun add. A whole Bridge log
 excerpt, and the reference trainer's own log, are in test_bridge_log.py."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from jobscripts import megatron_log as mlog
 from jobscripts import vocabulary as v
-from operators.campaign import logparse as lp
+from operators.tracking import logparse as lp
 
 # The reference workflow's iteration 10 (lm loss and grad norm as it logged them).
 REFERENCE_ITER_10 = (
@@ -194,7 +194,7 @@ def test_parser_imports_nothing_heavy():
     import subprocess
     import sys
 
-    code = ("import sys; import operators.campaign.logparse; "
+    code = ("import sys; import operators.tracking.logparse; "
             "print(sorted(m for m in ('torch', 'airflow', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from operators.campaign.rules import KNOWN_RECIPES
+from operators.campaign.schema.rules import KNOWN_RECIPES
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
 

@@ -1,7 +1,7 @@
 """Rules that need more than one field of a campaign, and the recipe facts they use.
 
 Each rule returns messages that start with the dotted path of the field a user should
-change. Duck-typed over the :class:`~operators.campaign.config.Campaign` model so that this
+change. Duck-typed over the :class:`~operators.campaign.schema.config.Campaign` model so that this
 module imports nothing from the schema (which calls it from its validator).
 """
 

@@ -2,9 +2,9 @@
 
 Every section forbids unknown keys (a misspelt ``lr_warmup_iter`` silently ignored would
 train the wrong run for days, which is what Bridge does with its YAML). Field checks live in
-:mod:`operators.campaign.fields`; the checks that need more than one field are in
-:mod:`operators.campaign.rules`, each naming the field a user has to change.
-Loading and error formatting: :mod:`operators.campaign.load`.
+:mod:`operators.campaign.schema.fields`; the checks that need more than one field are in
+:mod:`operators.campaign.schema.rules`, each naming the field a user has to change.
+Loading and error formatting: :mod:`operators.campaign.schema.load`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from operators.campaign.fields import (
+from operators.campaign.schema.fields import (
     AbsPath,
     Bind,
     Command,
@@ -36,7 +36,7 @@ from operators.campaign.fields import (
     Text,
     slurm_minutes,
 )
-from operators.campaign.rules import cross_field_problems
+from operators.campaign.schema.rules import cross_field_problems
 
 HfModelId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/"
                                           r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")]
@@ -76,7 +76,7 @@ class Container(Section):
 
 class Placement(Section):
     """Where one non-training stage runs; an unset field takes the stage's default
-    (operators/campaign/placement.py)."""
+    (operators/campaign/render/placement.py)."""
 
     image: Image | None = None  # 'host': no container; default per stage
     partition: SlurmName | None = None

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 from jobscripts.job_files import MANIFEST_FILE, RESULT_FILE, TRACKER_FILENAME
 
 if TYPE_CHECKING:  # paths.py imports this module for the directory names
-    from operators.campaign.config import Campaign
-    from operators.campaign.paths import RunPaths
+    from operators.campaign.render.paths import RunPaths
+    from operators.campaign.schema.config import Campaign
 
 # RESULT_FILE is re-exported: stage code names it beside the layout it writes into.
 __all__ = ["CHECKPOINTS", "DATA", "DATA_CACHE", "RESULT_FILE", "TENSORBOARD", "Layout",

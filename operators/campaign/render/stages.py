@@ -3,7 +3,7 @@
 Each function returns ``{"command", "job", "result_file", "environment"}`` for one stage;
 the command runs a ``jobscripts`` entry point, with the cluster's Python (``$PP_PYTHON``) on
 the host or the image's in a container, where the stage's placement puts it
-(operators/campaign/placement.py), and writes its result JSON into the job's run directory.
+(operators/campaign/render/placement.py), and writes its result JSON into the job's run directory.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jobscripts.hf_fetch import parse_hf_uri
-from operators.campaign.layout import RESULT_FILE, Layout
-from operators.campaign.placement import stage_command, stage_launch
-from operators.campaign.rules import recipe_hf_model
+from operators.campaign.render.layout import RESULT_FILE, Layout
+from operators.campaign.render.placement import stage_command, stage_launch
+from operators.campaign.schema.rules import recipe_hf_model
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 MERGED_PREFIX = "corpus"  # -> <data dir>/corpus_text_document.bin/.idx
 EVAL_DOCUMENTS = 32  # held-out documents scored per evaluation (the split's first ones)
@@ -24,7 +24,7 @@ EVAL_DOCUMENTS = 32  # held-out documents scored per evaluation (the split's fir
 
 def stage_job(campaign: Campaign, cpus: int | None = None) -> dict:
     """sbatch options from the cluster section itself: the reference trainer's segment job
-    (the other stages are placed by operators/campaign/placement.py)."""
+    (the other stages are placed by operators/campaign/render/placement.py)."""
     c = campaign.cluster
     job = {name: getattr(c, name) for name in ("partition", "account", "qos")
            if getattr(c, name) is not None}

@@ -15,11 +15,8 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from jobscripts.job_files import SEGMENT_RESULT
-from operators.campaign.code_ship import ShipsCode, with_pythonpath
-from operators.campaign.layout import Layout
-from operators.campaign.paths import RunPaths
-from operators.campaign.plan import SegmentNoProgress, check_progress
-from operators.campaign.remote import (
+from operators.campaign.adapters.code_ship import ShipsCode, with_pythonpath
+from operators.campaign.adapters.remote import (
     append_history,
     missing_files,
     read_history,
@@ -27,6 +24,9 @@ from operators.campaign.remote import (
     read_text,
     write_file,
 )
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.plan import SegmentNoProgress, check_progress
 from operators.slurm.operator import SlurmJobOperator
 from operators.slurm.states import Outcome
 from operators.tracking.links import MlflowRunLink
@@ -34,7 +34,7 @@ from operators.tracking.links import MlflowRunLink
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
     from operators.slurm.hook import SlurmHook
 
 XCOM_START = "segment_start_iteration"
@@ -140,11 +140,11 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
     def _render_segment(self, layout: Layout, data_path: list[str], history: list[dict],
                 train_iters: int) -> None:
         if self.campaign.model.reference is not None:
-            from operators.campaign.reference import reference_segment
+            from operators.campaign.render.reference import reference_segment
 
             kwargs = reference_segment(self.campaign, layout, data_path, history, train_iters)
         else:
-            from operators.campaign.bridge import bridge_segment
+            from operators.campaign.render.bridge import bridge_segment
 
             # A blend's data path interleaves weights with prefixes: the YAML renders it
             # from the campaign itself, run paths hold prefixes only.
@@ -158,7 +158,7 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
 
     def _track(self, context: Context, layout: Layout, summary: dict[str, Any]) -> None:
         """MLflow gets the segment; a tracking failure must not fail the training."""
-        from operators.campaign.tracking import track_segment
+        from operators.campaign.adapters.tracking import track_segment
 
         try:
             track_segment(self.campaign, self.hook, layout, context, summary,
@@ -168,7 +168,7 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
 
     def _rendered_files(self, context: Context) -> dict[str, str]:
         run_dir = context["ti"].xcom_pull(task_ids=self.task_id, key="slurm_job")["run_dir"]
-        from operators.campaign import bridge, reference
+        from operators.campaign.render import bridge, reference
         from operators.slurm.hook import SCRIPT_NAME  # paramiko: not at DAG parse
 
         names = (reference.CONFIG_FILE, bridge.CONFIG_FILE, SCRIPT_NAME)

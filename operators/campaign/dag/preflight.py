@@ -1,8 +1,8 @@
 """``train.preflight``: one short job that decides "this config will run", before any training job.
 
 Every campaign has it, first in the ``train`` group. It renders exactly what segment 1 would get
-(the same renderers: operators/campaign/bridge.py, reference.py) and runs the path's own checks
-on the cluster, where the files are:
+(the same renderers: operators/campaign/render/bridge.py, reference.py) and runs the
+path's own checks on the cluster, where the files are:
 
 - Bridge campaigns: ``jobscripts.bridge_preflight`` in the training image (the campaign's
   container; a CPU job, no GPUs), with the training's environment (HF_HOME, offline): recipe by
@@ -23,24 +23,24 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from operators.campaign.code_ship import ShipsCode
-from operators.campaign.layout import RESULT_FILE, Layout
-from operators.campaign.paths import RunPaths
-from operators.campaign.placement import (
+from operators.campaign.adapters.code_ship import ShipsCode
+from operators.campaign.adapters.remote import read_history, read_iteration, read_text
+from operators.campaign.render.layout import RESULT_FILE, Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.placement import (
     export_lines,
     in_container,
     setup_lines,
     stage_command,
     stage_launch,
 )
-from operators.campaign.remote import read_history, read_iteration, read_text
 from operators.slurm.errors import SlurmJobFailed
 from operators.slurm.operator import XCOM_JOB, SlurmJobOperator
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
     from operators.slurm.hook import SlurmHook
 
 TASK_ID = "preflight"
@@ -60,8 +60,8 @@ def _data_prefixes(campaign: Campaign, hook: SlurmHook, layout: Layout) -> list[
 def bridge_preflight_job(campaign: Campaign, paths: RunPaths,
                          history: list[dict]) -> dict[str, Any]:
     """``SlurmJobOperator`` arguments: segment 1's YAML and environment, checked in the
-    training image (the ``preflight`` placement: operators/campaign/placement.py)."""
-    from operators.campaign.bridge import BASE_ENVIRONMENT, CONFIG_FILE, bridge_segment
+    training image (the ``preflight`` placement: operators/campaign/render/placement.py)."""
+    from operators.campaign.render.bridge import BASE_ENVIRONMENT, CONFIG_FILE, bridge_segment
 
     segment = bridge_segment(campaign, paths, history)
     launch = stage_launch(campaign, "preflight")
@@ -84,7 +84,7 @@ def bridge_preflight_job(campaign: Campaign, paths: RunPaths,
 
 def reference_preflight_job(campaign: Campaign, layout: Layout, data_path: list[str],
                             history: list[dict]) -> dict[str, Any]:
-    from operators.campaign.reference import CONFIG_FILE, reference_segment
+    from operators.campaign.render.reference import CONFIG_FILE, reference_segment
 
     segment = reference_segment(campaign, layout, data_path, history)
     launch = stage_launch(campaign, "preflight")

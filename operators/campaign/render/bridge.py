@@ -24,16 +24,16 @@ import yaml
 
 from jobscripts.bridge_result import JOB_START_ENV
 from jobscripts.job_files import SEGMENT_RESULT
-from operators.campaign.paths import RunPaths
-from operators.campaign.placement import container_argv, export_lines, setup_lines
-from operators.campaign.plan import (
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.placement import container_argv, export_lines, setup_lines
+from operators.campaign.render.plan import (
     exit_duration_minutes,
     segment_exit_minutes,
     segment_job_options,
 )
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 __all__ = ["CONFIG_FILE", "MIXED_PRECISION", "SEGMENT_RESULT", "bridge_job", "bridge_overrides",
            "bridge_segment", "exit_duration_minutes", "render_bridge_yaml"]
@@ -153,7 +153,8 @@ def render_bridge_yaml(campaign: Campaign, run_paths: RunPaths, exit_duration_in
     tree = bridge_overrides(campaign, run_paths, exit_duration_in_mins, train_iters)
     header = (f"# Megatron Bridge overrides for campaign {campaign.name}, recipe "
               f"{campaign.model.recipe} ({campaign.model.recipe_function}).\n"
-              "# Rendered by operators/campaign/bridge.py; precedence CLI > this file > recipe.\n")
+              "# Rendered by operators/campaign/render/bridge.py; "
+              "precedence CLI > this file > recipe.\n")
     return header + yaml.safe_dump(tree, sort_keys=False, default_flow_style=False, width=100)
 
 

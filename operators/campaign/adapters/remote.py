@@ -7,7 +7,7 @@ import posixpath
 import shlex
 from typing import TYPE_CHECKING, Any
 
-from operators.campaign.layout import Layout
+from operators.campaign.render.layout import Layout
 
 if TYPE_CHECKING:
     from operators.slurm.hook import SlurmHook

@@ -23,9 +23,9 @@ import json
 import posixpath
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from operators.campaign.code_ship import CampaignJobOperator
-from operators.campaign.layout import Layout
-from operators.campaign.paths import RunPaths
+from operators.campaign.adapters.code_ship import CampaignJobOperator
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunPaths
 from operators.slurm.errors import SlurmJobFailed
 from operators.slurm.operator import XCOM_JOB, SlurmJobOperator
 from operators.slurm.trigger import success_summary
@@ -35,7 +35,7 @@ from operators.tracking.links import MlflowRunLink
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
     from operators.slurm.hook import SlurmHook
 
 RESULTS = "results"  # the result JSON of a stage that is neither a gate nor an evaluation
@@ -128,7 +128,7 @@ class CampaignStageOperator(CampaignJobOperator):
                summary: dict[str, Any] | None) -> None:
         """MLflow gets the stage (``summary`` None: its job failed); a tracking failure must
         not change the stage's outcome."""
-        from operators.campaign.tracking import track_stage
+        from operators.campaign.adapters.tracking import track_stage
 
         try:
             status = "FINISHED" if summary is not None else "FAILED"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from operators.campaign.load import CampaignConfigError, Problem, load_campaign
+from operators.campaign.schema.load import CampaignConfigError, Problem, load_campaign
 
 if TYPE_CHECKING:
     from airflow.sdk import DAG
@@ -50,7 +50,7 @@ class Outcome:
 
 def build_one(path: Path, shown: str, register: bool = False) -> tuple[Any, DAG]:
     """(campaign, DAG) of one file; raises :class:`CampaignConfigError` naming ``shown``."""
-    from operators.campaign.dag_factory import build_dag
+    from operators.campaign.dag.dag_factory import build_dag
 
     try:
         campaign = load_campaign(path)

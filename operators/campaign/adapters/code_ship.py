@@ -8,7 +8,8 @@ directory and an old DAG run's jobs keep the code they started with. Uploaded ov
 task's existing SSH connection (SFTP, each file atomically), once per version: a task finds
 ``SHIPPED.json`` and uploads nothing. Every job of the campaign gets ``PYTHONPATH`` set to
 the version's directory, in a venv or a container (the Bridge job sets it inside the
-container, where the image's own PYTHONPATH would otherwise win: operators/campaign/bridge.py).
+container, where the image's own PYTHONPATH would otherwise win:
+operators/campaign/render/bridge.py).
 What the cluster must still provide itself: a Python with the jobs' dependencies (the
 connection's ``remote_python``, or the training image), not this project.
 """
@@ -22,14 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from operators.campaign.paths import RunPaths
-from operators.campaign.placement import CODE_DIR_VAR
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.placement import CODE_DIR_VAR
 from operators.slurm.operator import SlurmJobOperator
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
     from operators.slurm.hook import SlurmHook
 
 PACKAGE = "jobscripts"

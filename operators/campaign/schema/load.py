@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from operators.campaign.config import Campaign
+from operators.campaign.schema.config import Campaign
 
 
 class Problem(NamedTuple):

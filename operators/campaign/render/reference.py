@@ -13,14 +13,14 @@ import json
 from typing import TYPE_CHECKING
 
 from jobscripts.job_files import SEGMENT_RESULT
-from operators.campaign.layout import Layout
-from operators.campaign.placement import setup_lines
-from operators.campaign.plan import segment_exit_minutes, segment_job_options
-from operators.campaign.stages import stage_job
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.placement import setup_lines
+from operators.campaign.render.plan import segment_exit_minutes, segment_job_options
+from operators.campaign.render.stages import stage_job
 from operators.slurm.operator import python_module_command
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 CONFIG_FILE = "run.json"
 

@@ -18,21 +18,21 @@ from typing import TYPE_CHECKING
 
 from airflow.sdk import DAG, Asset, Param, TaskGroup, chain, task
 
-from operators.campaign import stages
-from operators.campaign.code_ship import CampaignJobOperator
-from operators.campaign.layout import RESULT_FILE, Layout
-from operators.campaign.naming import dag_id
-from operators.campaign.paths import RunPaths
-from operators.campaign.preflight import TASK_ID as PREFLIGHT_TASK
-from operators.campaign.preflight import PreflightOperator
-from operators.campaign.segment import TrainingSegmentOperator
-from operators.campaign.stage_operator import CampaignStageOperator
-from operators.campaign.summary import summary
+from operators.campaign.adapters.code_ship import CampaignJobOperator
+from operators.campaign.dag.preflight import TASK_ID as PREFLIGHT_TASK
+from operators.campaign.dag.preflight import PreflightOperator
+from operators.campaign.dag.segment import TrainingSegmentOperator
+from operators.campaign.dag.stage_operator import CampaignStageOperator
+from operators.campaign.render import stages
+from operators.campaign.render.layout import RESULT_FILE, Layout
+from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.summary import summary
+from operators.campaign.schema.naming import dag_id
 from operators.slurm.operator import SlurmJobOperator, as_data
 from operators.tracking.names import conn_dag_tag
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 START = datetime(2026, 1, 1)
 TRIGGER_RULE_AFTER_DATA = "none_failed"  # run when the data stage ran or was skipped
@@ -71,7 +71,7 @@ def _check_data_task(campaign: Campaign, layout: Layout):
         """Skips the data stage when its manifest exists (and the user allows it)."""
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from operators.campaign.remote import read_text
+        from operators.campaign.adapters.remote import read_text
         from operators.slurm.hook import SlurmHook
 
         hook = SlurmHook(campaign.cluster.ssh_conn_id)
@@ -141,7 +141,7 @@ def _finished_task(campaign: Campaign, layout: Layout):
 
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from operators.campaign.remote import read_iteration, read_text
+        from operators.campaign.adapters.remote import read_iteration, read_text
         from operators.slurm.hook import SlurmHook
 
         hook = SlurmHook(campaign.cluster.ssh_conn_id)
@@ -164,7 +164,7 @@ def _completed_task(campaign: Campaign, layout: Layout):
         """Records that the final stages ran for this iteration (read by ``finished``)."""
         import json
 
-        from operators.campaign.remote import write_file
+        from operators.campaign.adapters.remote import write_file
         from operators.slurm.hook import SlurmHook
 
         record = {"iteration": ti.xcom_pull(task_ids="finished"), "run_id": ti.run_id}
@@ -179,7 +179,7 @@ def _register_task(campaign: Campaign, layout: Layout):
     @task(task_id="register")
     def register(ti=None) -> dict | None:
         """The exported, evaluated model in MLflow's registry, alias ``candidate``."""
-        from operators.campaign.tracking import register as register_model
+        from operators.campaign.adapters.tracking import register as register_model
         from operators.slurm.hook import SlurmHook
 
         iteration = ti.xcom_pull(task_ids="finished")
@@ -239,8 +239,8 @@ def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: 
 def build_all(campaign_dir: Path, namespace: dict) -> list[DAG]:
     """One DAG per campaign YAML in ``campaign_dir`` that builds, put in ``namespace`` (a DAG
     file's globals). A campaign that does not build is skipped here and reported by the
-    folder's error DAG file (operators/campaign/folder.py), naming its file, field and line.
+    folder's error DAG file (operators/campaign/dag/folder.py), naming its file, field and line.
     """
-    from operators.campaign.folder import publish
+    from operators.campaign.dag.folder import publish
 
     return publish(campaign_dir, namespace)

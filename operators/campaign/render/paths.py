@@ -12,11 +12,11 @@ import posixpath
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from operators.campaign import layout
-from operators.campaign.fields import checked_path
+from operators.campaign.render import layout
+from operators.campaign.schema.fields import checked_path
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 
 @dataclass(frozen=True)

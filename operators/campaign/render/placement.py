@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from operators.campaign.fields import render_words
+from operators.campaign.schema.fields import render_words
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 HOST = "host"  # stages.<name>.image: run on the host, not in a container
 TRAINING = "training"  # a default: the training container's image

@@ -19,14 +19,14 @@ from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from operators.campaign.layout import Layout
-from operators.campaign.remote import read_text, write_file
+from operators.campaign.adapters.remote import read_text, write_file
+from operators.campaign.render.layout import Layout
 from operators.tracking import names
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
     from operators.slurm.hook import SlurmHook
     from operators.tracking.tracker import Tracker
 
@@ -147,7 +147,7 @@ def track_segment(campaign: Campaign, hook: SlurmHook, layout: Layout, context: 
                   summary: dict[str, Any], files: dict[str, str]) -> None:
     """Metrics, accounting and artifacts of one finished segment."""
     from jobscripts import vocabulary
-    from operators.campaign import logparse
+    from operators.tracking import logparse
 
     tracker = open_tracker(campaign)
     if tracker is None:
@@ -182,7 +182,7 @@ def _log_evaluation(tracker: Tracker, runs: tuple[str | None, ...], hook: SlurmH
                     summary: dict[str, Any]) -> None:
     """An evaluation's figures on its child run and the campaign's, at step = the campaign's
     checkpoint iteration (the one that was exported), so several evaluations make a curve."""
-    from operators.campaign.remote import read_iteration
+    from operators.campaign.adapters.remote import read_iteration
     from operators.tracking.registry import eval_metrics
 
     result = summary.get("result") or {}
@@ -219,11 +219,11 @@ def register(campaign: Campaign, hook: SlurmHook, layout: Layout, iteration: int
 
     The export directory is fetched from the cluster through ``hook`` (SFTP) into a temporary
     directory, only when it still has to be uploaded: Airflow's machines need not see the
-    cluster's disk (operators/campaign/export_fetch.py).
+    cluster's disk (operators/campaign/adapters/export_fetch.py).
     """
     import hashlib
 
-    from operators.campaign.export_fetch import ClusterExport
+    from operators.campaign.adapters.export_fetch import ClusterExport
     from operators.tracking.registry import Lineage, register_model
 
     tracker = open_tracker(campaign)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 DAG_PREFIX = "pretrain__"
 

@@ -3,7 +3,7 @@
     pretrain-pipeline check FILE [FILE ...]
 
 Each file is loaded and its DAG built by exactly the code the DAG file runs
-(operators/campaign/folder.py). A problem prints as ``file:line: field: message``; a valid
+(operators/campaign/dag/folder.py). A problem prints as ``file:line: field: message``; a valid
 campaign prints its plan: segments and their exit duration, tokens, epochs over the dataset,
 tokens per parameter, and what each stage will request from Slurm. Exits 1 if any file has
 a problem, so it serves a pre-commit hook or a CI job of the team's campaign repository.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from operators.campaign.config import Campaign
+    from operators.campaign.schema.config import Campaign
 
 HELP = "validate campaign YAML files as the DAG file does, and print each one's plan"
 # sbatch options worth showing, in the order a reader compares them.
@@ -40,13 +40,13 @@ def _request(job: dict[str, Any]) -> str:
 def segment_request(campaign: Campaign) -> dict[str, Any]:
     """What a training segment asks Slurm for (rendered when the task runs, so here the same
     functions the segment operator calls compute it)."""
-    from operators.campaign.plan import segment_job_options
-    from operators.campaign.stages import stage_job
+    from operators.campaign.render.plan import segment_job_options
+    from operators.campaign.render.stages import stage_job
 
     if campaign.model.reference is not None:
         return {**stage_job(campaign), **segment_job_options(campaign, batch_shell=True)}
-    from operators.campaign.bridge import bridge_job
-    from operators.campaign.paths import RunPaths
+    from operators.campaign.render.bridge import bridge_job
+    from operators.campaign.render.paths import RunPaths
 
     return bridge_job(campaign, RunPaths.for_campaign(campaign))[0]
 
@@ -57,9 +57,9 @@ _DATA_PATH = ["/dataset-known-when-run_text_document"]
 
 def preflight_request(campaign: Campaign) -> dict[str, Any]:
     """What ``train.preflight`` asks Slurm for, by the functions its operator calls."""
-    from operators.campaign.layout import Layout
-    from operators.campaign.paths import RunPaths
-    from operators.campaign.preflight import bridge_preflight_job, reference_preflight_job
+    from operators.campaign.dag.preflight import bridge_preflight_job, reference_preflight_job
+    from operators.campaign.render.layout import Layout
+    from operators.campaign.render.paths import RunPaths
 
     layout = Layout(RunPaths.for_campaign(campaign))
     if campaign.model.reference is not None:
@@ -70,10 +70,10 @@ def preflight_request(campaign: Campaign) -> dict[str, Any]:
 
 
 def plan_lines(campaign: Campaign, dag) -> list[str]:
-    from operators.campaign.plan import plan_segments, segment_exit_minutes
-    from operators.campaign.preflight import PreflightOperator
-    from operators.campaign.segment import TrainingSegmentOperator
-    from operators.campaign.summary import summary
+    from operators.campaign.dag.preflight import PreflightOperator
+    from operators.campaign.dag.segment import TrainingSegmentOperator
+    from operators.campaign.render.plan import plan_segments, segment_exit_minutes
+    from operators.campaign.render.summary import summary
     from operators.slurm.operator import SlurmJobOperator
 
     c, s = campaign, campaign.segments
@@ -103,8 +103,8 @@ def plan_lines(campaign: Campaign, dag) -> list[str]:
 
 def check_file(path: Path, out: TextIO) -> bool:
     """Print ``path``'s problems or its plan; True when it is a valid campaign."""
-    from operators.campaign.folder import build_one, is_campaign_file
-    from operators.campaign.load import CampaignConfigError, Problem
+    from operators.campaign.dag.folder import build_one, is_campaign_file
+    from operators.campaign.schema.load import CampaignConfigError, Problem
 
     shown = str(path)
     if not is_campaign_file(path):

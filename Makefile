@@ -20,7 +20,7 @@ cluster-status:
 
 # The test command of the README and of .ci/run.
 test: cluster-up
-	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 # Everyday work: the pure tier only (no cluster, Airflow, MLflow/S3 servers or training), after
 # `make install`; tiers are read from the fixtures a test uses (tests/support/tiers.py).

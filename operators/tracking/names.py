@@ -27,6 +27,23 @@ EXPORT_KIND = "export"
 
 TRAIN_STAGE = "train"  # pp.stage of every training segment's child run
 
+# --- Goodput metrics on the campaign's run (operators/tracking/goodput.py) ---
+GOODPUT = "goodput"  # training-step time / allocated time, step = the campaign's iteration
+GOODPUT_PREFIX = "goodput_"  # + a Goodput field: each component (train_s, queue_s ...)
+# The segments' timeline, one span per step (0, 1, ...): which segment, what kind (an index
+# into goodput.SPAN_KINDS), and its start and end (Unix seconds).
+TIMELINE_SEGMENT = "timeline_segment"
+TIMELINE_KIND = "timeline_kind"
+TIMELINE_START = "timeline_start_ts"
+TIMELINE_END = "timeline_end_ts"
+RESUMED_FROM = "segment_resumed_from"  # step = segment number: the iteration it loaded
+
+
+def goodput_metric(field: str) -> str:
+    """The metric name of a ``Goodput`` field."""
+    return GOODPUT if field == GOODPUT else GOODPUT_PREFIX + field
+
+
 # --- The DAG side ---
 # A campaign DAG carries this tag + its tracking.mlflow_conn_id when tracking is on, so the
 # scheduler's listener ends the parent run through the campaign's own connection.

@@ -213,6 +213,20 @@ def track_stage(campaign: Campaign, hook: SlurmHook, layout: Layout, context: Co
     _log_job(tracker, child, hook, summary, files, status=status)
 
 
+def _log_goodput(tracker: Tracker, parent: str | None, campaign: Campaign, hook: SlurmHook,
+                 layout: Layout, iteration: int) -> None:
+    """The trained campaign's goodput on its run (adapters/goodput_log.py); a failure to
+    compute it is logged and must not stop the registration."""
+    import logging
+
+    from operators.campaign.adapters.goodput_log import log_goodput, segment_jobs
+
+    try:
+        log_goodput(tracker, parent, segment_jobs(campaign, hook, layout), iteration)
+    except Exception:  # noqa: BLE001
+        logging.getLogger(__name__).exception("goodput of %s not logged", campaign.name)
+
+
 def register(campaign: Campaign, hook: SlurmHook, layout: Layout, iteration: int,
              evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
     """Register the exported model with lineage tags and the alias ``candidate``.
@@ -230,6 +244,7 @@ def register(campaign: Campaign, hook: SlurmHook, layout: Layout, iteration: int
     if tracker is None:
         return None
     parent = campaign_run(tracker, campaign, hook, layout)
+    _log_goodput(tracker, parent, campaign, hook, layout, iteration)
     manifest = read_text(hook, layout.pinned_manifest)
     config = campaign.model_dump_json()
     lineage = Lineage(

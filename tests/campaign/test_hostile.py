@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from operators.campaign.render.summary import summary
-from operators.campaign.schema.load import CampaignConfigError, campaign_from_dict, load_campaign
+from operators.campaign.schema.load import (
+    MAX_ENTRIES,
+    MAX_PROBLEMS,
+    MAX_VALUES,
+    CampaignConfigError,
+    campaign_from_dict,
+    load_campaign,
+)
 from tests.campaign.util import DEMO, LLAMA_8B, dump, edited, raw
 
 DEMO_TEXT = DEMO.read_text()
@@ -87,9 +94,59 @@ def test_an_oversized_file(tmp_path) -> None:
 
 def test_many_problems_are_cut_short(tmp_path) -> None:
     doc = raw(DEMO)
-    doc["training"].update({f"unknown_{i}": i for i in range(5000)})
+    doc["training"].update({f"unknown_{i}": i for i in range(MAX_ENTRIES - 100)})
     error = _refused(tmp_path, dump(doc).encode())
-    assert len(error.problems) <= 51 and "more problem" in error.problems[-1].message
+    assert len(error.problems) == MAX_PROBLEMS + 1
+    assert error.problems[-1].message == f"... and {MAX_ENTRIES - 100 - MAX_PROBLEMS} more " \
+                                         "problem(s)"
+
+
+def _training_line(text: str) -> int:
+    return _line_of(text, "training:")
+
+
+def test_a_section_over_the_key_cap(tmp_path) -> None:
+    # 40,000 unknown keys (issue 14.4): refused at the cap, before a tree is built.
+    doc = raw(DEMO)
+    doc["training"].update({f"unknown_{i}": i for i in range(40_000)})
+    text = dump(doc)
+    (problem,) = _refused(tmp_path, text.encode()).problems
+    assert (problem.field, problem.line) == ("training", _training_line(text))
+    assert problem.message == f"more than {MAX_ENTRIES} keys (the cap)"
+
+
+def test_a_list_over_the_item_cap(tmp_path) -> None:
+    doc = edited(raw(LLAMA_8B), {"cluster.container.binds": ["/a:/b"] * 50_000})
+    text = dump(doc)
+    (problem,) = _refused(tmp_path, text.encode()).problems
+    assert (problem.field, problem.line) == ("cluster.container.binds",
+                                             _line_of(text, "binds:"))
+    assert problem.message == f"more than {MAX_ENTRIES} items (the cap)"
+
+
+def test_a_flow_list_over_the_item_cap_names_its_line(tmp_path) -> None:
+    text = DEMO_TEXT + "extra: [" + "1," * 300_000 + "1]\n"
+    (problem,) = _refused(tmp_path, text.encode()).problems
+    assert (problem.field, problem.line) == ("extra", len(DEMO_TEXT.splitlines()) + 1)
+
+
+def test_too_many_values_in_small_sections(tmp_path) -> None:
+    # No section over the key cap, but the file over the value cap.
+    doc = raw(DEMO)
+    for i in range(MAX_VALUES // MAX_ENTRIES + 1):
+        doc[f"extra_{i}"] = {f"k{j}": j for j in range(MAX_ENTRIES // 2)}
+    (problem,) = _refused(tmp_path, dump(doc).encode()).problems
+    assert problem.message.startswith(f"the file holds more than {MAX_VALUES} YAML values")
+    assert problem.field.startswith("extra_")
+
+
+def test_aliases_count_each_time_they_are_used(tmp_path) -> None:
+    # "Billion laughs": 10 levels of 10 aliases each; tiny as text, 10**10 values built.
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    text = DEMO_TEXT + "\n".join(lines) + "\n"
+    (problem,) = _refused(tmp_path, text.encode()).problems
+    assert "alias counting each time" in problem.message
 
 
 def _field_problems(base: Path, changes: dict) -> dict[str, str]:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from operators.campaign.schema.config import Campaign
+from operators.campaign.schema.config import MAX_PREFIXES, Campaign
 
 
 class Problem(NamedTuple):
@@ -57,6 +57,12 @@ MAX_FILE_BYTES = 1 << 20
 MAX_INT_DIGITS = 20
 INT_LIMIT = 2**63  # an int64: what Slurm, Megatron and JSON readers all take
 MAX_PROBLEMS = 50  # reported per file: enough to fix a file, and bounded work for a huge one
+# Checked on the YAML tree, before any value is built or validated, so the work a file costs
+# is bounded by them (anchors and aliases included: an alias counts each time it is used).
+# The longest list a campaign has is data.prefixes / data.blend; the schema's own caps on each
+# field are tighter and still apply.
+MAX_ENTRIES = MAX_PREFIXES  # keys of one section, items of one list
+MAX_VALUES = 8 * MAX_PREFIXES  # every key, item and value of the file (a blend item is 5)
 
 
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
@@ -106,6 +112,78 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))
+
+
+def _too_many_events(loader: _Loader) -> Problem | None:
+    """:func:`_oversized` on the parser's events, before a tree is built: it stops at the
+    first section or list over :data:`MAX_ENTRIES`, so composing never sees one (the
+    composer's cost per node is most of what a huge file costs)."""
+    seen = 0
+    # per open collection: [is_mapping, children so far, loc, line, current key, its line]
+    stack: list[list] = []
+    while not loader.check_event(yaml.StreamEndEvent):
+        event = loader.get_event()
+        if isinstance(event, yaml.CollectionEndEvent):
+            stack.pop()
+            continue
+        if not isinstance(event, yaml.NodeEvent):  # stream and document marks
+            continue
+        seen += 1
+        loc: tuple = ()
+        line = event.start_mark.line + 1
+        if stack:
+            top = stack[-1]
+            is_mapping, children, top_loc = top[0], top[1], top[2]
+            if is_mapping and children % 2 == 0:  # a key
+                top[4] = event.value if isinstance(event, yaml.ScalarEvent) else "?"
+                top[5] = line
+                loc = top_loc
+            elif is_mapping:  # a value: named, and placed, by its key
+                loc, line = (*top_loc, top[4]), top[5]
+            else:
+                loc = (*top_loc, children)
+            top[1] += 1
+            entries = (top[1] + 1) // 2 if is_mapping else top[1]
+            if entries > MAX_ENTRIES:
+                what = "keys" if is_mapping else "items"
+                return Problem(_dotted(top_loc), f"more than {MAX_ENTRIES} {what} (the cap)",
+                               top[3])
+        if seen > MAX_VALUES:
+            return _too_many_values(loc, line)
+        if isinstance(event, yaml.CollectionStartEvent):
+            stack.append([isinstance(event, yaml.MappingStartEvent), 0, loc, line, None, None])
+    return None
+
+
+def _too_many_values(loc: tuple, line: int) -> Problem:
+    return Problem(_dotted(loc), f"the file holds more than {MAX_VALUES} YAML values (the cap; "
+                                 "keys, list items and values, an alias counting each time "
+                                 "it is used): a campaign is a page of settings", line)
+
+
+def _oversized(root: yaml.Node) -> Problem | None:
+    """The first section or list over :data:`MAX_ENTRIES`, or the file over
+    :data:`MAX_VALUES`, named by its dotted field and line; one pass over the tree."""
+    seen = 0
+    # (node, loc, line): a mapping's value is placed by its key's line
+    stack: list[tuple[yaml.Node, tuple, int]] = [(root, (), root.start_mark.line + 1)]
+    while stack:
+        node, loc, line = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            return _too_many_values(loc, line)
+        if isinstance(node, yaml.MappingNode | yaml.SequenceNode):
+            if len(node.value) > MAX_ENTRIES:
+                what = "keys" if isinstance(node, yaml.MappingNode) else "items"
+                return Problem(_dotted(loc), f"more than {MAX_ENTRIES} {what} (the cap)", line)
+            if isinstance(node, yaml.MappingNode):
+                seen += len(node.value)  # the keys
+                stack.extend((value, (*loc, str(key.value)), key.start_mark.line + 1)
+                             for key, value in node.value)
+            else:
+                stack.extend((item, (*loc, i), item.start_mark.line + 1)
+                             for i, item in enumerate(node.value))
+    return None
 
 
 def _dotted(loc: tuple) -> str:
@@ -230,9 +308,19 @@ def load_campaign(path: str | os.PathLike[str]) -> Campaign:
             "", f"the file is over {MAX_FILE_BYTES >> 10} KiB: a campaign is a page of settings")])
     text = _decoded(path, data)
     try:
+        counter = _Loader(text)
+        try:
+            too_big = _too_many_events(counter)
+        finally:
+            counter.dispose()
+        if too_big is not None:
+            raise CampaignConfigError(path, [too_big])
         loader = _Loader(text)
-        try:  # one parse: the node tree gives error lines, the document the values
+        try:  # the parse that builds: the node tree gives error lines, the document values
             root = loader.get_single_node()
+            too_big = _oversized(root) if root is not None else None
+            if too_big is not None:
+                raise CampaignConfigError(path, [too_big])
             raw = loader.construct_document(root) if root is not None else None
         finally:
             loader.dispose()

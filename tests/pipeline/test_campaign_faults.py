@@ -364,6 +364,31 @@ def test_artifacts_in_s3_and_no_checkpoint_uploaded(story, tracking, s3_server) 
     assert not [k for k in keys if "iter_" in k or k.endswith((".pt", ".distcp"))]
 
 
+def test_goodput_on_the_campaign_run(story, tracking) -> None:
+    """register logs the campaign's goodput (operators/tracking/goodput.py) from its segment
+    records and job logs: three segment jobs, one of them run twice (the requeue)."""
+    from operators.tracking import goodput, names
+
+    client, parents, _ = tracking
+    run_id = parents[0].info.run_id
+    metrics = client.get_run(run_id).data.metrics
+    value = {f: metrics.get(names.goodput_metric(f))
+             for f in goodput.Goodput.__dataclass_fields__}
+    assert value["segments"] == 3 and value["runs"] == 4
+    assert value["iterations_trained"] == TRAIN_ITERS and value["iterations_redone"] == 0
+    jobs = _segment_jobs(story)
+    last_runs = sum(int(cluster.sacct_field(job["job_id"], "ElapsedRaw")) for job in jobs)
+    assert value["allocated_node_s"] >= last_runs  # + the requeued job's first run
+    assert 0 < value["train_s"] < value["allocated_node_s"]
+    assert value["goodput"] == pytest.approx(value["train_s"] / value["allocated_node_s"])
+    assert value["startup_s"] > 0 and value["save_s"] > 0 and value["gap_s"] > 0
+    assert value["hang_s"] == 0
+    kinds = client.get_metric_history(run_id, names.TIMELINE_KIND)
+    assert goodput.SPAN_KINDS.index(goodput.FAILED) in {m.value for m in kinds}  # the requeue
+    resumed = {m.step: m.value for m in client.get_metric_history(run_id, names.RESUMED_FROM)}
+    assert resumed == {2: 10, 3: 20}  # segment 3 fell back from the missing 25 to 20
+
+
 def test_model_registered_as_candidate(story, tracking) -> None:
     client, _, _ = tracking
     version = client.get_model_version_by_alias(f"pretrain-{NAME}", "candidate")

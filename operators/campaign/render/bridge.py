@@ -27,6 +27,7 @@ from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.render.paths import RunPaths
 from operators.campaign.render.placement import container_argv, export_lines, setup_lines
 from operators.campaign.render.plan import (
+    checkpoint_interval,
     exit_duration_minutes,
     segment_exit_minutes,
     segment_job_options,
@@ -88,7 +89,7 @@ def _tokenizer_dir(campaign: Campaign, paths: RunPaths) -> str:
 
 
 def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins: int,
-                     train_iters: int | None = None) -> dict:
+                     train_iters: int | None = None, earlier_results=()) -> dict:
     """The override tree, section by section, in Bridge's ConfigContainer field names.
     ``train_iters``: the trigger form's, else the campaign's."""
     if campaign.model.recipe is None:
@@ -98,7 +99,7 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
             or exit_duration_in_mins < 1:
         raise ValueError(f"exit_duration_in_mins must be a positive int "
                          f"(got {exit_duration_in_mins!r})")
-    t, v, k = campaign.training, campaign.validation, campaign.checkpoint
+    t, v = campaign.training, campaign.validation
     train_iters = train_iters or t.train_iters
     train = {"train_iters": train_iters, "global_batch_size": t.global_batch_size,
              "micro_batch_size": t.micro_batch_size,
@@ -126,7 +127,8 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
         # them; exit_duration assumes it), format and optimizer layout pinned, not inherited
         # from whatever recipe version the container has.
         "checkpoint": {"save": paths.checkpoint_dir, "load": paths.checkpoint_dir,
-                       "save_interval": k.save_interval, "ckpt_format": "torch_dist",
+                       "save_interval": checkpoint_interval(campaign, earlier_results).iterations,
+                       "ckpt_format": "torch_dist",
                        "async_save": False,
                        # Bridge keeps every save; ours prune after each one (keep_last and
                        # keep_every, jobscripts/bridge_pretrain.py --keep-last/--keep-every).
@@ -149,8 +151,9 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
 
 
 def render_bridge_yaml(campaign: Campaign, run_paths: RunPaths, exit_duration_in_mins: int,
-                       train_iters: int | None = None) -> str:
-    tree = bridge_overrides(campaign, run_paths, exit_duration_in_mins, train_iters)
+                       train_iters: int | None = None, earlier_results=()) -> str:
+    tree = bridge_overrides(campaign, run_paths, exit_duration_in_mins, train_iters,
+                            earlier_results)
     header = (f"# Megatron Bridge overrides for campaign {campaign.name}, recipe "
               f"{campaign.model.recipe} ({campaign.model.recipe_function}).\n"
               "# Rendered by operators/campaign/render/bridge.py; "
@@ -238,7 +241,7 @@ def bridge_segment(campaign: Campaign, run_paths: RunPaths, earlier_results=(),
     ``train_iters``: the trigger form's, else the campaign's."""
     minutes = segment_exit_minutes(campaign, earlier_results)
     job, command, environment = bridge_job(campaign, run_paths)
-    yaml_text = render_bridge_yaml(campaign, run_paths, minutes, train_iters)
+    yaml_text = render_bridge_yaml(campaign, run_paths, minutes, train_iters, earlier_results)
     return {"job": job, "command": command, "environment": environment,
             "files": {CONFIG_FILE: yaml_text},
             "result_file": SEGMENT_RESULT}

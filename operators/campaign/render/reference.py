@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING
 from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.render.layout import Layout
 from operators.campaign.render.placement import setup_lines
-from operators.campaign.render.plan import segment_exit_minutes, segment_job_options
+from operators.campaign.render.plan import (
+    checkpoint_interval,
+    segment_exit_minutes,
+    segment_job_options,
+)
 from operators.campaign.render.stages import stage_job
 from operators.slurm.operator import python_module_command
 
@@ -43,7 +47,7 @@ def run_config(campaign: Campaign, layout: Layout, data_path: list[str], exit_mi
         "weight_decay": t.weight_decay, "clip_grad": t.clip_grad, "seed": t.seed,
         "eval_interval": v.eval_interval, "eval_iters": v.eval_iters,
         "log_interval": campaign.logging.log_interval,
-        "save": layout.checkpoints, "save_interval": ck.save_interval,
+        "save": layout.checkpoints, "save_interval": checkpoint_interval(campaign).iterations,
         "keep_last": ck.keep_last, "keep_every": ck.keep_every,
         "exit_duration_in_mins": exit_minutes,
         "exit_interval": campaign.segments.iters_per_segment,
@@ -56,6 +60,7 @@ def reference_segment(campaign: Campaign, layout: Layout, data_path: list[str], 
     """Keyword arguments for one segment's ``SlurmJobOperator``."""
     minutes = segment_exit_minutes(campaign, earlier_results)
     config = run_config(campaign, layout, data_path, minutes, train_iters)
+    config["save_interval"] = checkpoint_interval(campaign, earlier_results).iterations
     job = {**stage_job(campaign), **segment_job_options(campaign, batch_shell=True)}
     return {
         # exec: the trainer becomes the batch shell, so --signal=B:TERM reaches it.

@@ -1,14 +1,16 @@
 """A campaign's plan in numbers, as markdown for the DAG's ``doc_md``.
 
 The figures a reviewer checks before spending GPU hours: tokens planned, parameters,
-epochs over the dataset, and tokens per parameter against Chinchilla's ~20 (Hoffmann et al.
-2022: compute-optimal training sees about 20 tokens per parameter).
+epochs over the dataset, tokens per parameter against Chinchilla's ~20 (Hoffmann et al.
+2022: compute-optimal training sees about 20 tokens per parameter), and the checkpoint
+interval against Young/Daly's optimum (render/plan.py ``checkpoint_interval``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from operators.campaign.render.plan import checkpoint_interval
 from operators.campaign.schema.rules import KNOWN_RECIPES
 
 if TYPE_CHECKING:
@@ -48,8 +50,11 @@ def _human(n: float) -> str:
     return f"{n:.3g}"
 
 
-def summary(campaign: Campaign, dataset_tokens: int | None = None) -> str:
+def summary(campaign: Campaign, dataset_tokens: int | None = None, history=()) -> str:
+    """``history``: the segment records so far (segment.json payloads), from which the
+    checkpoint interval takes the measured save and step times and the failures seen."""
     c, t, k, s = campaign.cluster, campaign.training, campaign.checkpoint, campaign.segments
+    interval = checkpoint_interval(campaign, history)
     tokens = t.train_iters * t.global_batch_size * t.seq_length
     params, how = model_params(campaign)
     dp = campaign.data_parallel_size
@@ -83,8 +88,10 @@ def summary(campaign: Campaign, dataset_tokens: int | None = None) -> str:
     rows += [
         ("Learning rate", f"{t.lr:g} -> {t.min_lr:g}, {t.lr_decay_style}, warmup "
                           f"{t.lr_warmup_iters}; precision {precision}"),
-        ("Checkpoints", f"every {k.save_interval} iters, keep last {k.keep_last}"
+        ("Checkpoints", f"every {interval.iterations} iters"
+                        + (" (auto)" if interval.auto else "") + f", keep last {k.keep_last}"
                         + (f" and every {k.keep_every}" if k.keep_every else "")),
+        ("Checkpoint interval", interval.describe()),
         ("Segments", f"up to {s.max_per_run} per DAG run"
                      + (f", {s.iters_per_segment} iters each at most" if s.iters_per_segment
                         else "")),

@@ -239,7 +239,9 @@ class Training(Section):
 
 
 class Checkpoint(Section):
-    save_interval: PosInt
+    # Iterations between saves, or "auto": the Young/Daly interval from the measured save time
+    # and the failures seen (render/plan.py checkpoint_interval), bounded by the segment length.
+    save_interval: PosInt | Literal["auto"]
     keep_last: PosInt = 2  # the resume point always survives: at least 1
     keep_every: PosInt | None = None  # also keep every Mth iteration, for evaluation
     dir: AbsPath | None = None  # default <remote_root>/<name>/checkpoints

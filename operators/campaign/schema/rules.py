@@ -113,7 +113,7 @@ def _paths(c):
         yield "checkpoint.dir", ("without cluster.remote_root the campaign's files go beside "
                                  "the checkpoints: it needs a parent below '/'")
     k = c.checkpoint
-    if k.keep_every is not None and k.keep_every % k.save_interval:
+    if k.keep_every is not None and k.save_interval != "auto" and k.keep_every % k.save_interval:
         yield "checkpoint.keep_every", (f"{k.keep_every} is not a multiple of save_interval "
                                         f"{k.save_interval}, so few saves would land on it")
 

@@ -15,6 +15,14 @@ e.g. a retry that redid iterations, replaces the earlier value), puts loss on to
   tokenizer; bits per byte does not, so it is the column to compare across tokenizers.
 A campaign without ``tokens_consumed`` cannot be placed on the x axis: it is left off the plot
 and says so in the table.
+
+Campaigns whose run carries the goodput figures (logged when the campaign is registered:
+operators/tracking/goodput.py, operators/campaign/adapters/goodput_log.py) also get:
+- dotted marks on the loss plot where each segment resumed from a checkpoint;
+- ``compare_goodput.csv`` / ``.md`` (and on stdout): goodput = training-step time / allocated
+  time, and each component (start-up, saves, loads, queue wait, gaps, work redone, hangs);
+- ``compare_timeline.png``: each segment's queue wait, start-up, training, final save and
+  failed or requeued runs on the wall clock, one panel per campaign.
 """
 
 from __future__ import annotations
@@ -28,12 +36,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobscripts.vocabulary import EVAL_METRICS, LM_LOSS, TOKENS_CONSUMED, VAL_LM_LOSS
+from operators.tracking import goodput, names
 from operators.tracking.runs import PARENT_TAG
 
 HELP = "plot loss vs tokens for an experiment's campaigns and tabulate final metrics"
 CURVES = (LM_LOSS, VAL_LM_LOSS)
 EVAL_COLUMNS = (EVAL_METRICS["perplexity"], EVAL_METRICS["bits_per_byte"])
 COLUMNS = ("run", "run_id", "status", "tokens", LM_LOSS, VAL_LM_LOSS, *EVAL_COLUMNS, "note")
+GOODPUT_FIELDS = tuple(goodput.Goodput.__dataclass_fields__)
+GOODPUT_COLUMNS = ("run", *GOODPUT_FIELDS)
+TIMELINE_METRICS = (names.TIMELINE_SEGMENT, names.TIMELINE_KIND, names.TIMELINE_START,
+                    names.TIMELINE_END)
+SPAN_COLORS = {goodput.QUEUE: "#bbbbbb", goodput.STARTUP: "#f0a030",
+               goodput.TRAINING: "#2ca02c", goodput.SAVE: "#1f77b4", goodput.FAILED: "#d62728"}
 
 
 @dataclass
@@ -44,6 +59,10 @@ class Campaign:
     curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # (tokens, v)
     final: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    goodput: dict[str, float] = field(default_factory=dict)  # Goodput field -> value
+    # (segment, kind, start, end in Unix seconds): the bars of the timeline
+    timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
+    resumed_tokens: list[float] = field(default_factory=list)  # where segments resumed
 
     def row(self) -> dict[str, object]:
         tokens = max((x for points in self.curves.values() for x, _ in points), default=None)
@@ -75,6 +94,18 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     # One value per step: the last logged (a re-logged step keeps its newest value).
     ordered = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
     return list({m.step: m.value for m in ordered}.items())
+
+
+def read_timeline(histories: dict[str, list[tuple[int, float]]]
+                  ) -> list[tuple[int, str, float, float]]:
+    """The timeline metrics (step = span number) -> (segment, kind, start, end) spans."""
+    columns = [dict(histories.get(key) or ()) for key in TIMELINE_METRICS]
+    spans = []
+    for step in sorted(set.intersection(*(set(c) for c in columns))):
+        segment, kind, start, end = (c[step] for c in columns)
+        if 0 <= int(kind) < len(goodput.SPAN_KINDS):
+            spans.append((int(segment), goodput.SPAN_KINDS[int(kind)], start, end))
+    return spans
 
 
 def _search_all(client, experiment_id: str) -> list:
@@ -116,6 +147,14 @@ def load_campaigns(client, experiment: str) -> list[Campaign]:
                 campaign.final[key] = run.data.metrics[key]
         if not merged[TOKENS_CONSUMED]:
             campaign.note = f"no {TOKENS_CONSUMED} metric: not plotted"
+        campaign.goodput = {f: run.data.metrics[names.goodput_metric(f)] for f in GOODPUT_FIELDS
+                            if names.goodput_metric(f) in run.data.metrics}
+        if campaign.goodput:
+            campaign.timeline = read_timeline(
+                {key: _history(client, run.info.run_id, key) for key in TIMELINE_METRICS})
+            resumed = _history(client, run.info.run_id, names.RESUMED_FROM)
+            campaign.resumed_tokens = [x for x, _ in on_tokens(
+                [(int(iteration), 0.0) for _, iteration in resumed], merged[TOKENS_CONSUMED])]
         campaigns.append(campaign)
     return campaigns
 
@@ -146,6 +185,9 @@ def plot(campaigns: Sequence[Campaign], reference: Sequence[tuple[float, float]]
             if points:
                 xs, ys = zip(*points, strict=True)
                 axis.plot(xs, ys, color=color, label=campaign.name, linewidth=1.5)
+            if campaign.resumed_tokens:  # where a segment resumed from a checkpoint
+                axis.vlines(campaign.resumed_tokens, 0, 1, transform=axis.get_xaxis_transform(),
+                            colors=color, linestyles=":", linewidth=1, alpha=0.7)
     if reference:
         xs, ys = zip(*reference, strict=True)
         axes[1].plot(xs, ys, color="black", linestyle="--", label=reference_label)
@@ -161,6 +203,53 @@ def plot(campaigns: Sequence[Campaign], reference: Sequence[tuple[float, float]]
     if title:
         figure.suptitle(title)
     return figure
+
+
+def plot_timeline(campaigns: Sequence[Campaign]):
+    """One panel per campaign with a timeline: a row per segment, seconds since its first
+    submission on x, a bar per span coloured by what the time went to."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    drawn = [c for c in campaigns if c.timeline]
+    rows = max((max(s for s, *_ in c.timeline) for c in drawn), default=1)
+    figure = Figure(figsize=(12, 1.5 + 0.45 * rows * max(1, len(drawn))), layout="constrained")
+    axes = figure.subplots(max(1, len(drawn)), 1, squeeze=False)[:, 0]
+    for axis, campaign in zip(axes, drawn, strict=False):
+        origin = min(start for _, _, start, _ in campaign.timeline)
+        for segment, kind, start, end in campaign.timeline:
+            axis.broken_barh([(start - origin, max(end - start, 0.0))], (segment - 0.4, 0.8),
+                             facecolors=SPAN_COLORS[kind])
+        share = campaign.goodput.get(names.GOODPUT)
+        axis.set_title(campaign.name + (f": goodput {share:.1%}" if share is not None else ""))
+        axis.set_yticks(range(1, rows + 1), [f"segment {i}" for i in range(1, rows + 1)])
+        axis.invert_yaxis()
+        axis.set_xlabel("seconds since the first segment's submission")
+        axis.grid(True, axis="x", alpha=0.3)
+    figure.legend(handles=[Patch(color=SPAN_COLORS[k], label=k) for k in goodput.SPAN_KINDS],
+                  fontsize="small", ncols=len(goodput.SPAN_KINDS), loc="outside lower center")
+    return figure
+
+
+def write_goodput(campaigns: Sequence[Campaign], png: Path) -> str:
+    """``<png>_goodput.csv`` / ``.md`` beside the PNG, one row per campaign with goodput
+    figures; returns the markdown ("" when no campaign has any)."""
+    rows = [{"run": c.name, **c.goodput} for c in campaigns if c.goodput]
+    if not rows:
+        return ""
+    stem = png.with_name(png.stem + "_goodput")
+    with open(stem.with_suffix(".csv"), "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=GOODPUT_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(GOODPUT_COLUMNS) + " |", "|" + "---|" * len(GOODPUT_COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in GOODPUT_COLUMNS) + " |" for r in rows]
+    markdown = "\n".join(lines) + "\n"
+    stem.with_suffix(".md").write_text(markdown, encoding="utf-8")
+    return markdown
 
 
 def _fmt(value: object) -> str:
@@ -209,4 +298,11 @@ def run(args: argparse.Namespace) -> int:
     print(write_tables(campaigns, output), end="", flush=True)
     print(f"wrote {output}, {output.with_suffix('.csv')}, {output.with_suffix('.md')}",
           flush=True)
+    breakdown = write_goodput(campaigns, output)
+    if breakdown:
+        timeline = output.with_name(output.stem + "_timeline.png")
+        plot_timeline(campaigns).savefig(timeline, dpi=args.dpi)
+        print(breakdown, end="", flush=True)
+        print(f"wrote {timeline}, {output.with_name(output.stem + '_goodput.csv')}, "
+              f"{output.with_name(output.stem + '_goodput.md')}", flush=True)
     return 0

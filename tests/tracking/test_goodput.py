@@ -136,3 +136,17 @@ def test_a_job_without_steps_is_all_start_up() -> None:
                        end=datetime(2026, 1, 1, 0, 1, 0), submit=datetime(2026, 1, 1))
     figures = goodput.compute([goodput.segment_job(record, ["Traceback: ImportError"], 1)])
     assert figures.startup_s == 60 and figures.train_s == 0 and figures.goodput == 0
+
+
+def test_a_logging_interval_spreads_its_mean_step_time_over_its_iterations() -> None:
+    """With log_interval 2 Megatron prints every other iteration, the mean over the two."""
+    rows = read_sacct(_sacct_row(12, "COMPLETED", "2026-12-01T10:00:00", "2026-12-01T10:00:10",
+                                 "2026-12-01T10:01:00")).records
+    log = _job_log("2026-12-01T10:00:10", [
+        ml.loaded_line("/ck", 4),
+        _train(6, "2026-12-01 10:00:30", ms=500.0), _train(8, "2026-12-01 10:00:31", ms=500.0)])
+    job = goodput.segment_job(rows["12"], log, nodes=1)
+    assert [s.iteration for s in job.runs[0].steps] == [5, 6, 7, 8]
+    assert goodput.compute([job]).train_s == 4 * 0.5
+    # the first step began two 0.5 s steps before the first line
+    assert job.runs[0].first_step_at == datetime(2026, 12, 1, 10, 0, 29)

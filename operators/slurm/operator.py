@@ -92,9 +92,15 @@ def python_module_command(module: str, *args: object) -> str:
 
 def log_path_for(spec: JobSpec, job_id: str) -> str:
     """The log to stream; for an array job, that of its first task."""
-    master = job_id.partition("_")[0]
     first_task = re.match(r"[0-9]+", spec.array or "0").group(0)
-    return spec.output.replace("%j", master).replace("%A", master).replace("%a", first_task)
+    return log_pattern_for(spec, job_id).replace("%a", first_task)
+
+
+def log_pattern_for(spec: JobSpec, job_id: str) -> str:
+    """The job's log path with ``%a`` (an array task's id) left in: the trigger streams every
+    task's log."""
+    master = job_id.partition("_")[0]
+    return spec.output.replace("%j", master).replace("%A", master)
 
 
 class SlurmJobOperator(BaseOperator):
@@ -186,7 +192,9 @@ class SlurmJobOperator(BaseOperator):
             self.defer(trigger=SlurmJobTrigger(
                 ssh_conn_id=self.ssh_conn_id, job_id=record.job_id, log_path=log_path,
                 poll_interval=self.poll_interval, unknown_budget_s=self.unknown_budget_s,
-                result_path=result_path, job_name=key), method_name="execute_complete")
+                result_path=result_path, job_name=key,
+                log_pattern=log_pattern_for(spec, record.job_id) if spec.array else None),
+                method_name="execute_complete")
         return self._complete(context, self._wait_in_worker(record.job_id, log_path, key))
 
     def _attach_or_submit(self, spec: JobSpec, run_dir: str, key: str) -> JobRecord:

@@ -17,6 +17,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from operators.slurm.jobids import parse_job_id
 from operators.slurm.parse import job_view
 from operators.slurm.poller import ClusterPoller
 from operators.slurm.states import Outcome, SettleGate, UnknownSlurmState, classify
@@ -73,12 +74,20 @@ class SlurmJobTrigger(BaseTrigger):
     def __init__(self, ssh_conn_id: str, job_id: str, log_path: str | None = None,
                  log_offset: int = 0, poll_interval: float = 5.0,
                  unknown_budget_s: float = 600.0, result_path: str | None = None,
-                 job_name: str | None = None) -> None:
+                 job_name: str | None = None, log_pattern: str | None = None,
+                 log_offsets: dict[str, int] | None = None) -> None:
         super().__init__()
         self.ssh_conn_id = ssh_conn_id
         self.job_id = job_id
         self.log_path = log_path
         self.log_offset = log_offset
+        # An array job's log path with ``%a`` still in it (one log per task), and how far each
+        # task's log has been forwarded (task id -> byte offset). Both travel in the
+        # serialised kwargs, so a trigger re-created after a triggerer restart goes on where
+        # it was. Without a pattern, ``log_path`` and ``log_offset`` are the one log.
+        self.log_pattern = log_pattern
+        self.log_offsets = {str(k): int(v) for k, v in (log_offsets or {}).items()}
+        self._drained: set[str] = set()  # tasks that ended and whose log was read to its end
         self.poll_interval = poll_interval
         self.unknown_budget_s = unknown_budget_s
         self.result_path = result_path
@@ -91,6 +100,7 @@ class SlurmJobTrigger(BaseTrigger):
             "log_path": self.log_path, "log_offset": self.log_offset,
             "poll_interval": self.poll_interval, "unknown_budget_s": self.unknown_budget_s,
             "result_path": self.result_path, "job_name": self.job_name,
+            "log_pattern": self.log_pattern, "log_offsets": dict(self.log_offsets),
         })
 
     async def _outputs(self, poller: ClusterPoller, outcome: Outcome) -> dict[str, Any]:
@@ -112,22 +122,56 @@ class SlurmJobTrigger(BaseTrigger):
         return found
 
     async def _stream_log(self, poller: ClusterPoller) -> None:
-        if not self.log_path:
+        """Forward the new whole lines of the job's log, or of each array task's log (each
+        line prefixed with its task's id), read by byte offset on the poller's connection."""
+        if self.log_pattern is None:
+            if self.log_path:
+                self.log_offset = await self._forward(poller, self.log_path, self.log_offset,
+                                                      self.job_id)
             return
+        ended = self._array_tasks(poller.snapshot.records)
+        for task in sorted({*self.log_offsets, *ended} - self._drained, key=int):
+            before = self.log_offsets.get(task, 0)
+            after = await self._forward(poller, self.log_pattern.replace("%a", task), before,
+                                        f"{self.job_id}_{task}")
+            self.log_offsets[task] = after
+            if ended.get(task) and after == before:
+                # Slurm says the task ended and its log has nothing new: read to its end.
+                self._drained.add(task)
+
+    def _array_tasks(self, records: dict) -> dict[str, bool]:
+        """This array's started tasks in ``records`` (id -> whether Slurm says it ended).
+        A pending range row (``123_[2-4]``) stands for tasks that have no log yet."""
+        tasks = {}
+        for key, record in records.items():
+            parsed = parse_job_id(key)
+            if parsed is None or parsed.base != self.job_id or parsed.task is None:
+                continue
+            try:
+                outcome = classify(record.state)
+            except UnknownSlurmState:
+                outcome = Outcome.ACTIVE
+            if record.state != "PENDING":
+                tasks[str(parsed.task)] = outcome.terminal and record.source == "sacct"
+        return tasks
+
+    async def _forward(self, poller: ClusterPoller, path: str, offset: int, label: str) -> int:
+        """Log the whole lines of ``path`` after ``offset`` as ``[slurm <label>] line``; the
+        offset after them. A partial last line waits for the next round."""
         try:
             while True:
-                data = await poller.read_bytes(self.log_path, self.log_offset, LOG_CHUNK)
-                # Forward whole lines only; a partial last line waits for the next round.
+                data = await poller.read_bytes(path, offset, LOG_CHUNK)
                 cut = data.rfind(b"\n") + 1 if len(data) < LOG_CHUNK else len(data)
                 if cut == 0:
-                    return
+                    return offset
                 for line in data[:cut].decode("utf-8", "replace").splitlines():
-                    self.log.info("[slurm %s] %s", self.job_id, line)
-                self.log_offset += cut
+                    self.log.info("[slurm %s] %s", label, line)
+                offset += cut
                 if len(data) < LOG_CHUNK:
-                    return
+                    return offset
         except Exception as exc:  # noqa: BLE001 - a log hiccup must not fail the task
-            self.log.warning("could not read job log %s: %s", self.log_path, exc)
+            self.log.warning("could not read job log %s: %s", path, exc)
+            return offset
 
     def _note_degraded(self, poller: ClusterPoller, error: str | None, was: bool) -> bool:
         """Say in the task log when the job starts and stops being followed through squeue

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
+import secrets
 import shlex
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +13,8 @@ from operators.campaign.render.layout import Layout
 
 if TYPE_CHECKING:
     from operators.slurm.hook import SlurmHook
+
+log = logging.getLogger(__name__)
 
 
 def read_iteration(hook: SlurmHook, layout: Layout) -> int:
@@ -49,10 +53,51 @@ def missing_files(hook: SlurmHook, paths: list[str]) -> list[str]:
     """
     if not paths:
         return []
-    quoted = " ".join(shlex.quote(p) for p in paths)
-    rc, out, err = hook.run(f'for f in {quoted}; do [ -r "$f" ] && [ -s "$f" ] '
-                            f'|| printf "%s\\n" "$f"; done')
+    marker = f"pp-missing-{secrets.token_hex(8)}"
+    rc, out, err = hook.run(missing_files_command(paths, marker))
     if rc != 0:
         raise RuntimeError(f"checking {len(paths)} data files on the cluster failed "
                            f"(exit {rc}): {err.strip()}")
-    return [line for line in out.splitlines() if line]
+    return read_missing_files(out, paths, marker)
+
+
+def missing_files_command(paths: list[str], marker: str) -> str:
+    """The loop that prints ``<marker> <index>`` for each missing path, then ``<marker> end``.
+
+    A login shell prints banners and MOTDs on stdout before the command's own output: only
+    lines carrying this call's marker are the answer, and they name paths by index, so a
+    path's own characters (a newline) cannot pass for another answer line.
+    """
+    quoted = " ".join(shlex.quote(p) for p in paths)
+    m = shlex.quote(marker)
+    return (f'i=0; for f in {quoted}; do [ -r "$f" ] && [ -s "$f" ] '
+            f"|| printf '%s %d\\n' {m} \"$i\"; i=$((i+1)); done; printf '%s end\\n' {m}")
+
+
+def read_missing_files(out: str, paths: list[str], marker: str) -> list[str]:
+    """The paths :func:`missing_files_command` named as missing in its output ``out``.
+
+    Raises when the closing ``<marker> end`` line is absent: the loop did not finish, and
+    an answer cut short would report files present that were never checked.
+    """
+    missing, ended, skipped = [], False, []
+    for line in out.splitlines():
+        head, _, rest = line.strip().partition(" ")
+        if head != marker:
+            if line.strip():
+                skipped.append(line)
+            continue
+        if rest == "end":
+            ended = True
+        elif rest.isdigit() and int(rest) < len(paths):
+            missing.append(paths[int(rest)])
+        else:
+            raise RuntimeError(f"checking data files on the cluster: unexpected answer line "
+                               f"{line[:200]!r}")
+    for line in skipped[:5]:
+        log.info("skipped a line of the data-file check's output that is not its answer "
+                 "(a login banner?): %r", line[:200])
+    if not ended:
+        raise RuntimeError(f"checking {len(paths)} data files on the cluster: the answer "
+                           f"ended early (no {marker} end line): {out.strip()[-200:]!r}")
+    return missing

@@ -1,6 +1,7 @@
 """One bad campaign file hides nothing else (issue 14, point 2): each YAML builds or fails on
 its own, editor leftovers are not campaigns, and under a real dag-processor the valid
-campaigns' DAGs stay while the broken one is an import error naming file, field and line."""
+campaigns' DAGs stay while each broken one is its own import error naming file, field and
+line (its own DAG file ``campaigns/x.py``, see operators/campaign/dag/folder.py)."""
 
 from __future__ import annotations
 
@@ -15,51 +16,143 @@ from operators.campaign.dag.folder import (
     CampaignFolderError,
     build_campaigns,
     campaign_files,
+    dag_file,
     raise_errors,
 )
+from operators.campaign.schema.load import CampaignConfigError
 from tests.campaign.util import CAMPAIGNS, DEMO, dump, edited, raw
 
 REPO = Path(__file__).resolve().parents[2]
+STUB = CAMPAIGNS / "demo.py"  # every campaign's own DAG file is a copy of this one
+# name -> (a change that breaks it, the field its error names, a fragment of its line)
+BROKEN = {
+    "broken_lr": ({"training.lr": -1}, "training.lr", "lr: -1"),
+    "broken_key": ({"cluster.partitio": "debug"}, "cluster.partitio", "partitio:"),
+}
 
 
-def _folder(tmp_path: Path) -> Path:
-    """A DAG folder as shipped, plus a broken campaign and what editors leave."""
+def _line(text: str, fragment: str) -> int:
+    return next(i for i, s in enumerate(text.splitlines(), 1) if fragment in s)
+
+
+def _campaign(campaigns: Path, name: str, changes: dict, own_dag_file: bool = True) -> str:
+    text = dump(edited(raw(DEMO), {"name": name, **changes}))
+    (campaigns / f"{name}.yaml").write_text(text)
+    if own_dag_file:
+        shutil.copy(STUB, campaigns / f"{name}.py")
+    return text
+
+
+def _folder(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A DAG folder as shipped (the folder DAG files and demo with its own DAG file), two
+    broken campaigns with theirs, and what editors leave; with the broken files' texts."""
     folder = tmp_path / "dags"
     campaigns = folder / "campaigns"
     campaigns.mkdir(parents=True)
-    for dag_file in ("pretrain_campaigns.py", "pretrain_campaign_errors.py"):
-        shutil.copy(REPO / "dags" / dag_file, folder)
+    for name in ("pretrain_campaigns.py", "pretrain_campaign_errors.py"):
+        shutil.copy(REPO / "dags" / name, folder)
     shutil.copy(DEMO, campaigns / "demo.yaml")
-    (campaigns / "broken.yaml").write_text(DEMO.read_text().replace("name: demo", "name: broken")
-                                           .replace("lr: 1.0e-3", "lr: -1"))
+    shutil.copy(STUB, campaigns / "demo.py")
+    texts = {name: _campaign(campaigns, name, changes) for name, (changes, _, _) in BROKEN.items()}
     os.symlink("root@host.12345:1700000000", campaigns / ".#demo.yaml")  # emacs lock: dangling
+    os.symlink("root@host.12345:1700000000", campaigns / ".#demo.py")
     shutil.copy(DEMO, campaigns / "demo.yaml~")
+    shutil.copy(STUB, campaigns / "demo.py~")
     (campaigns / ".demo.yaml.swp").write_bytes(b"b0VIM 9.0\x00\x00garbage")
     (campaigns / "#demo.yaml#").write_text("name: [unfinished\n")
     os.symlink("/nonexistent/x.yaml", campaigns / "gone.yaml")
-    return folder
-
-
-def _broken_line() -> int:
-    return next(i for i, s in enumerate(DEMO.read_text().splitlines(), 1)
-                if s.strip().startswith("lr: "))
+    return folder, texts
 
 
 def test_editor_leftovers_are_not_campaigns(tmp_path) -> None:
-    campaigns = _folder(tmp_path) / "campaigns"
-    assert [p.name for p in campaign_files(campaigns)] == ["broken.yaml", "demo.yaml"]
+    campaigns = _folder(tmp_path)[0] / "campaigns"
+    assert [p.name for p in campaign_files(campaigns)] == ["broken_key.yaml", "broken_lr.yaml",
+                                                           "demo.yaml"]
 
 
-def test_each_file_builds_or_fails_on_its_own(tmp_path) -> None:
-    outcomes = {o.path.name: o for o in build_campaigns(_folder(tmp_path) / "campaigns",
-                                                        register=False)}
-    assert outcomes["demo.yaml"].dag.dag_id == "pretrain__demo"
-    broken = outcomes["broken.yaml"]
-    assert broken.dag is None
-    (problem,) = broken.error.problems
-    assert (problem.field, problem.line) == ("training.lr", _broken_line())
-    assert str(broken.error) == f"campaigns/broken.yaml:{_broken_line()}: training.lr: " \
-                                + problem.message
+def test_each_campaign_dag_file_builds_or_fails_on_its_own(tmp_path) -> None:
+    folder, texts = _folder(tmp_path)
+    namespace: dict = {}
+    dag = dag_file(str(folder / "campaigns" / "demo.py"), namespace)
+    assert dag.dag_id == "pretrain__demo" and namespace == {"pretrain__demo": dag}
+    for name, (_, field, fragment) in BROKEN.items():
+        with pytest.raises(CampaignConfigError) as caught:
+            dag_file(str(folder / "campaigns" / f"{name}.py"), {})
+        (problem,) = caught.value.problems
+        assert (problem.field, problem.line) == (field, _line(texts[name], fragment))
+        assert str(caught.value).startswith(f"campaigns/{name}.yaml:{problem.line}: {field}: ")
+
+
+def test_the_folder_files_leave_campaigns_with_their_own_dag_file_alone(tmp_path) -> None:
+    folder, _ = _folder(tmp_path)
+    assert build_campaigns(folder / "campaigns", register=False) == []
+    raise_errors(folder / "campaigns")  # the broken ones are their own files' errors
+
+
+def test_a_dag_bag_of_the_folder(tmp_path) -> None:
+    """Airflow's own DagBag (what the dag-processor runs per file): one import error per
+    broken campaign, each naming only its own YAML, and the valid DAG beside them."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    folder, texts = _folder(tmp_path)
+    bag = DagBag(str(folder), bundle_path=folder)
+    assert bag.dag_ids == ["pretrain__demo"]
+    assert set(bag.import_errors) == {f"campaigns/{name}.py" for name in BROKEN}
+    for name, (_, field, fragment) in BROKEN.items():
+        message = bag.import_errors[f"campaigns/{name}.py"]
+        assert f"campaigns/{name}.yaml:{_line(texts[name], fragment)}: {field}: " in message
+        assert all(f"{other}.yaml" not in message for other in BROKEN if other != name)
+
+
+def test_a_campaign_with_its_own_dag_file_is_named_after_it(tmp_path) -> None:
+    campaigns = tmp_path / "campaigns"
+    campaigns.mkdir()
+    shutil.copy(DEMO, campaigns / "renamed.yaml")
+    shutil.copy(STUB, campaigns / "renamed.py")
+    with pytest.raises(CampaignConfigError) as caught:
+        dag_file(str(campaigns / "renamed.py"), {})
+    (problem,) = caught.value.problems
+    assert (problem.field, problem.line) == ("name", _line(DEMO.read_text(), "name: demo"))
+    assert "'demo'" in problem.message and "'renamed'" in problem.message
+
+
+def test_check_runs_the_code_of_the_campaign_s_own_dag_file(tmp_path) -> None:
+    import io
+
+    from operators.campaign.dag.check import check_file
+
+    shutil.copy(DEMO, tmp_path / "renamed.yaml")
+    out = io.StringIO()
+    assert check_file(tmp_path / "renamed.yaml", out)  # no DAG file of its own: any name
+    shutil.copy(STUB, tmp_path / "renamed.py")
+    out = io.StringIO()
+    assert not check_file(tmp_path / "renamed.yaml", out)
+    line = _line(DEMO.read_text(), "name: demo")
+    assert out.getvalue().startswith(f"{tmp_path / 'renamed.yaml'}:{line}: name: is 'demo'")
+
+
+def test_a_dag_file_without_its_campaign(tmp_path) -> None:
+    shutil.copy(STUB, tmp_path / "orphan.py")
+    with pytest.raises(CampaignConfigError, match="orphan.yaml: no campaign file beside"):
+        dag_file(str(tmp_path / "orphan.py"), {})
+
+
+def test_a_campaign_without_its_own_dag_file(tmp_path) -> None:
+    """Dropped in alone, a YAML is built by the folder DAG file; broken, it is a line of the
+    folder's shared import error (pretrain_campaign_errors.py)."""
+    campaigns = tmp_path / "campaigns"
+    campaigns.mkdir()
+    shutil.copy(DEMO, campaigns / "demo.yaml")
+    shutil.copy(STUB, campaigns / "demo.py")
+    _campaign(campaigns, "alone", {}, own_dag_file=False)
+    broken = _campaign(campaigns, "alone_broken", {"training.lr": -1}, own_dag_file=False)
+    outcomes = {o.path.name: o for o in build_campaigns(campaigns, register=False)}
+    assert set(outcomes) == {"alone.yaml", "alone_broken.yaml"}  # demo has its own file
+    assert outcomes["alone.yaml"].dag.dag_id == "pretrain__alone"
+    with pytest.raises(CampaignFolderError) as caught:
+        raise_errors(campaigns)
+    assert f"campaigns/alone_broken.yaml:{_line(broken, 'lr: -1')}: training.lr: " in str(
+        caught.value)
 
 
 def test_two_files_with_one_name(tmp_path) -> None:
@@ -67,14 +160,22 @@ def test_two_files_with_one_name(tmp_path) -> None:
     campaigns.mkdir()
     shutil.copy(DEMO, campaigns / "a.yaml")
     shutil.copy(DEMO, campaigns / "b.yaml")
+    shutil.copy(DEMO, campaigns / "demo.yaml")
+    shutil.copy(STUB, campaigns / "demo.py")  # demo.yaml owns pretrain__demo
     with pytest.raises(CampaignFolderError) as caught:
         raise_errors(campaigns)
-    assert "campaigns/b.yaml: name: pretrain__demo is already defined by a.yaml" in str(
+    assert "campaigns/a.yaml: name: pretrain__demo is already defined by demo.yaml" in str(
+        caught.value)
+    assert "campaigns/b.yaml: name: pretrain__demo is already defined by demo.yaml" in str(
         caught.value)
 
 
-def test_the_shipped_folder_has_no_errors() -> None:
+def test_the_shipped_folder() -> None:
+    """Every shipped campaign has its own DAG file, a copy of one stub, and builds."""
     raise_errors(CAMPAIGNS)
+    for path in campaign_files(CAMPAIGNS):
+        assert path.with_suffix(".py").read_bytes() == STUB.read_bytes(), path.name
+        dag_file(str(path.with_suffix(".py")), {})
 
 
 # -- under a real dag-processor ------------------------------------------------------------------
@@ -93,29 +194,95 @@ def _wait(what: str, check, timeout: float = 180):
     raise TimeoutError(f"waited {timeout}s for {what}")
 
 
+def _cli_json(env: dict[str, str], *args: str) -> list[dict]:
+    import json
+    import subprocess
+
+    from tests.support.airflow import AIRFLOW
+
+    # `airflow dags list-import-errors` exits 1 when there are import errors; its JSON (Airflow
+    # 3.3.2, recorded here) is [{"bundle_name": ..., "filepath": "campaigns/x.py",
+    # "error": "<traceback>"}], printed on the last line after the CLI's warnings.
+    out = subprocess.run([AIRFLOW, *args, "-o", "json"], env=env, cwd=REPO,
+                         capture_output=True, text=True).stdout
+    for line in reversed(out.splitlines()):  # its JSON is the last line; warnings come first
+        if line.startswith("["):
+            return json.loads(line)
+    raise AssertionError(f"no JSON list in the output of airflow {' '.join(args)}: {out}")
+
+
 @pytest.mark.airflow
-def test_a_broken_campaign_under_a_real_dag_processor(tmp_path) -> None:
+def test_broken_campaigns_under_airflow_dag_processor(tmp_path) -> None:
+    """``airflow dag-processor`` alone (no ports, no scheduler) on the folder, read back with
+    ``airflow dags list-import-errors`` / ``airflow dags list``, as an operator would."""
+    import signal
+    import subprocess
+
+    from tests.support.airflow import AIRFLOW, airflow_env, migrate
+
+    folder, texts = _folder(tmp_path)
+    home = tmp_path / "airflow-home"
+    home.mkdir()
+    env = airflow_env(home, folder)
+    migrate(env)
+    own = {name: f"campaigns/{name}.py" for name in BROKEN}
+    with open(home / "dag-processor.log", "ab") as log:
+        proc = subprocess.Popen([AIRFLOW, "dag-processor"], env=env, cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def parsed():
+            errors = {e["filepath"]: e["error"]
+                      for e in _cli_json(env, "dags", "list-import-errors")}
+            dags = {d["dag_id"] for d in _cli_json(env, "dags", "list")}
+            return (errors, dags) if errors.keys() >= set(own.values()) \
+                and "pretrain__demo" in dags else None
+
+        errors, dags = _wait("an import error per broken campaign and demo's DAG", parsed, 300)
+        assert set(errors) == set(own.values())  # leftovers and the folder files: none
+        assert dags == {"pretrain__demo"}
+        for name, (_, field, fragment) in BROKEN.items():
+            assert f"campaigns/{name}.yaml:{_line(texts[name], fragment)}: {field}: " \
+                   in errors[own[name]]
+            assert all(f"{o}.yaml" not in errors[own[name]] for o in BROKEN if o != name)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.mark.airflow
+def test_broken_campaigns_under_a_real_dag_processor(tmp_path) -> None:
     from tests.support.airflow import Standalone, airflow_env
 
-    folder = _folder(tmp_path)
+    folder, texts = _folder(tmp_path)
+    own = {name: f"campaigns/{name}.py" for name in BROKEN}
     home = tmp_path / "airflow-home"
     home.mkdir()
     server = Standalone(airflow_env(home, folder), home / "standalone.log").start()
     try:
-        errors = _wait("the campaign import error",
-                       lambda: _import_errors(server).get("pretrain_campaign_errors.py"))
-        assert f"campaigns/broken.yaml:{_broken_line()}: training.lr: " in errors
-        assert set(_import_errors(server)) == {"pretrain_campaign_errors.py"}  # leftovers: none
+        errors = _wait("an import error per broken campaign",
+                       lambda: (found := _import_errors(server)).keys() >= set(own.values())
+                       and found)
+        assert set(errors) == set(own.values())  # leftovers and the folder files: none
+        for name, (_, field, fragment) in BROKEN.items():
+            assert f"campaigns/{name}.yaml:{_line(texts[name], fragment)}: {field}: " \
+                   in errors[own[name]]
+            assert all(f"{o}.yaml" not in errors[own[name]] for o in BROKEN if o != name)
         server.wait_dag("pretrain__demo")
         demo = server.request("GET", "/api/v2/dags/pretrain__demo")
         assert not demo["is_stale"] and not demo["has_import_errors"]
+        assert demo["fileloc"].endswith("campaigns/demo.py")
 
-        # Fixed, the error goes and the campaign's DAG comes, the other one untouched.
-        fixed = edited(raw(DEMO), {"name": "fixed"})
-        (folder / "campaigns" / "broken.yaml").write_text(dump(fixed))
-        _wait("the error to clear", lambda: "pretrain_campaign_errors.py"
-              not in _import_errors(server))
-        server.wait_dag("pretrain__fixed")
+        # One fixed: its error goes and its DAG comes; the other error and demo stay.
+        (folder / "campaigns" / "broken_lr.yaml").write_text(
+            dump(edited(raw(DEMO), {"name": "broken_lr"})))
+        _wait("the fixed campaign's error to clear",
+              lambda: own["broken_lr"] not in _import_errors(server))
+        server.wait_dag("pretrain__broken_lr")
+        assert set(_import_errors(server)) == {own["broken_key"]}
         assert not server.request("GET", "/api/v2/dags/pretrain__demo")["is_stale"]
     finally:
         server.stop()

@@ -46,27 +46,20 @@ def segment_request(campaign: Campaign) -> dict[str, Any]:
     if campaign.model.reference is not None:
         return {**stage_job(campaign), **segment_job_options(campaign, batch_shell=True)}
     from operators.campaign.render.bridge import bridge_job
-    from operators.campaign.render.paths import RunPaths
+    from operators.campaign.render.paths import RunInputs
 
-    return bridge_job(campaign, RunPaths.for_campaign(campaign))[0]
-
-
-# Where the data stage will put the dataset: the jobs' options do not depend on it.
-_DATA_PATH = ["/dataset-known-when-run_text_document"]
+    return bridge_job(campaign, RunInputs())[0]
 
 
 def preflight_request(campaign: Campaign) -> dict[str, Any]:
     """What ``train.preflight`` asks Slurm for, by the functions its operator calls."""
-    from operators.campaign.dag.preflight import bridge_preflight_job, reference_preflight_job
+    from operators.campaign.dag import preflight
     from operators.campaign.render.layout import Layout
-    from operators.campaign.render.paths import RunPaths
+    from operators.campaign.render.paths import RunInputs
 
-    layout = Layout(RunPaths.for_campaign(campaign))
-    if campaign.model.reference is not None:
-        return reference_preflight_job(campaign, layout, _DATA_PATH, [])["job"]
-    paths = RunPaths.for_campaign(campaign, data_prefixes=_DATA_PATH,
-                                  tokenizer_dir=layout.tokenizer)
-    return bridge_preflight_job(campaign, paths, [])["job"]
+    layout = Layout.for_campaign(campaign)
+    return dict(preflight.preflight_request(campaign, layout,
+                                            RunInputs.stand_in(campaign, layout), []).job)
 
 
 def plan_lines(campaign: Campaign, dag) -> list[str]:
@@ -103,7 +96,7 @@ def plan_lines(campaign: Campaign, dag) -> list[str]:
 
 def check_file(path: Path, out: TextIO) -> bool:
     """Print ``path``'s problems or its plan; True when it is a valid campaign."""
-    from operators.campaign.dag.folder import build_one, is_campaign_file
+    from operators.campaign.dag.folder import build_one, build_own, is_campaign_file, own_dag_file
     from operators.campaign.schema.load import CampaignConfigError, Problem
 
     shown = str(path)
@@ -111,8 +104,11 @@ def check_file(path: Path, out: TextIO) -> bool:
         print(Problem("", "not a campaign file (a visible, readable *.yaml or *.yml file)")
               .located(shown), file=out)
         return False
-    try:  # what the DAG file runs per campaign file, with this path in the messages
-        campaign, dag = build_one(path, shown)
+    # What the DAG file runs for this campaign file, with this path in the messages: its own
+    # DAG file's code when it has one (x.py beside x.yaml), the folder DAG file's otherwise.
+    build = build_own if own_dag_file(path).is_file() else build_one
+    try:
+        campaign, dag = build(path, shown)
     except CampaignConfigError as exc:
         for problem in exc.problems:
             print(problem.located(shown), file=out)

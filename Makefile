@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install cluster-up cluster-down cluster-status test test-fast lint bench demo demo-down
+.PHONY: install cluster-up cluster-down cluster-status test test-fast lint bench demo demo-down stack-down
 
 install:
 	bash docker/bootstrap.sh
@@ -33,8 +33,20 @@ lint:
 bench: cluster-up
 	$(PY) -m tests.bench.run_all
 
+# STACK=production: the same demo on docker/local_stack.sh's stack (PostgreSQL, Celery workers,
+# two triggerers, MLflow with artifacts on SeaweedFS); its servers are restarted if they run with
+# other DAGs (the stack tests' own). `make stack-down` stops that stack.
+STACK ?= standalone
 demo: cluster-up
+ifeq ($(STACK),production)
+	PP_STACK_REPLACE=1 bash docker/local_stack.sh up
+	$(PY) -m operators.demo up production
+else
 	$(PY) -m operators.demo up
+endif
+
+stack-down:
+	bash docker/local_stack.sh down
 
 demo-down:
 	-$(PY) -m operators.demo down

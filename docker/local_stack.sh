@@ -19,7 +19,8 @@
 # Settings: docker/stack.env (shared with compose.yml), then the addresses below. Secrets are
 # generated once into $PP_STACK_STATE/secrets.env (mode 600), never into the repository.
 # PP_STACK_DAGS names the DAGs folder (default: the repository's dags/); `up` refuses a running
-# stack started from another folder or checkout (run `down` first).
+# stack started from another folder or checkout, or with PP_STACK_REPLACE=1 restarts its Airflow
+# and MLflow servers (the data services and their data stay).
 set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -343,7 +344,13 @@ check_origin() {  # a running stack must be this checkout's, with these DAGs
   if [[ -f $STATE/origin ]] && [[ $(cat "$STATE/origin") != "$origin" ]]; then
     local name
     for name in "${AIRFLOW_COMPONENTS[@]}" mlflow; do
-      alive "$name" && die "the stack runs from $(cat "$STATE/origin") (checkout, DAGs); run \`$0 down\` first"
+      alive "$name" || continue
+      if [[ ${PP_STACK_REPLACE:-} == 1 ]]; then
+        log "replacing the stack's servers started from $(cat "$STATE/origin") (checkout, DAGs)"
+        stop "${AIRFLOW_COMPONENTS[@]}" mlflow
+        break
+      fi
+      die "the stack runs from $(cat "$STATE/origin") (checkout, DAGs); run \`$0 down\` first or set PP_STACK_REPLACE=1"
     done
   fi
   echo "$origin" > "$STATE/origin"

@@ -2,6 +2,7 @@
 
     python -m operators.demo up     # start MLflow + airflow standalone, run pretrain__demo
     python -m operators.demo down   # stop what `up` started
+    python -m operators.demo up production   # run it on docker/local_stack.sh's running stack
 
 Everything it starts runs in its own process group, recorded under ``.demo/``, so
 ``down`` stops exactly that. The local cluster itself is ``docker/local_cluster.sh``.
@@ -96,9 +97,20 @@ def _wait(what: str, check, timeout: float, interval: float = 2.0):
     raise SystemExit(f"timed out waiting for {what}; logs in {STATE}")
 
 
-def up() -> int:
+def _stack_urls() -> tuple[str, str]:
+    """The Airflow and MLflow URLs of the running production stack (docker/local_stack.sh)."""
+    out = subprocess.run(["bash", str(REPO / "docker" / "local_stack.sh"), "env"],
+                         capture_output=True, text=True, check=True).stdout
+    values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    return values["PP_STACK_AIRFLOW_URL"], values["PP_STACK_MLFLOW_URL"]
+
+
+def up(stack: str = "standalone") -> int:
     started = time.monotonic()
     env = _env()
+    if stack == "production":  # `make demo STACK=production` brought the stack up
+        af, ml = _stack_urls()
+        return _run_demo(env, af, ml, started)
     af = f"http://127.0.0.1:{AIRFLOW_PORT}"
     ml = f"http://127.0.0.1:{MLFLOW_PORT}"
     _start("mlflow", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port",
@@ -107,6 +119,10 @@ def up() -> int:
                       str(STATE / "mlartifacts")], env)
     _start("airflow", [str(BIN / "airflow"), "standalone"], env)
     _say(f"starting MLflow ({ml}) and airflow standalone ({af}); logs in {STATE}")
+    return _run_demo(env, af, ml, started)
+
+
+def _run_demo(env: dict[str, str], af: str, ml: str, started: float) -> int:
     _wait("MLflow", lambda: urllib.request.urlopen(ml + "/health", timeout=5), 300)  # noqa: S310
     _wait("Airflow", lambda: _get(af + "/api/v2/monitor/health")["triggerer"]["status"]
           == "healthy", 300)
@@ -189,6 +205,7 @@ def down() -> int:
 
 if __name__ == "__main__":
     commands = {"up": up, "down": down}
-    if len(sys.argv) != 2 or sys.argv[1] not in commands:
-        raise SystemExit("usage: python -m operators.demo up|down")
-    raise SystemExit(commands[sys.argv[1]]())
+    if not 2 <= len(sys.argv) <= 3 or sys.argv[1] not in commands or (
+            len(sys.argv) == 3 and sys.argv[1:] != ["up", "production"]):
+        raise SystemExit("usage: python -m operators.demo up [production] | down")
+    raise SystemExit(commands[sys.argv[1]](*sys.argv[2:]))

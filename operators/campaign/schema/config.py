@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from operators.campaign.schema.fields import (
@@ -238,10 +238,22 @@ class Training(Section):
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
 
+def _count_or_auto(value, handler):
+    # "auto" or a positive int, with one error at the field itself (a plain union reports a
+    # branch per type: "save_interval.constrained-int", "save_interval.literal['auto']").
+    if value == "auto":
+        return value
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("count_or_auto", "a positive number of iterations or 'auto' "
+                                  "(got {value!r})", {"value": value}) from None
+
+
 class Checkpoint(Section):
     # Iterations between saves, or "auto": the Young/Daly interval from the measured save time
     # and the failures seen (render/plan.py checkpoint_interval), bounded by the segment length.
-    save_interval: PosInt | Literal["auto"]
+    save_interval: Annotated[PosInt, WrapValidator(_count_or_auto)]
     keep_last: PosInt = 2  # the resume point always survives: at least 1
     keep_every: PosInt | None = None  # also keep every Mth iteration, for evaluation
     dir: AbsPath | None = None  # default <remote_root>/<name>/checkpoints

@@ -126,16 +126,16 @@ class SlurmJobTrigger(BaseTrigger):
         line prefixed with its task's id), read by byte offset on the poller's connection."""
         if self.log_pattern is None:
             if self.log_path:
-                self.log_offset = await self._forward(poller, self.log_path, self.log_offset,
-                                                      self.job_id)
+                self.log_offset, _ = await self._forward(poller, self.log_path,
+                                                         self.log_offset, self.job_id)
             return
         ended = self._array_tasks(poller.snapshot.records)
         for task in sorted({*self.log_offsets, *ended} - self._drained, key=int):
             before = self.log_offsets.get(task, 0)
-            after = await self._forward(poller, self.log_pattern.replace("%a", task), before,
-                                        f"{self.job_id}_{task}")
+            after, read = await self._forward(poller, self.log_pattern.replace("%a", task),
+                                              before, f"{self.job_id}_{task}")
             self.log_offsets[task] = after
-            if ended.get(task) and after == before:
+            if ended.get(task) and read and after == before:
                 # Slurm says the task ended and its log has nothing new: read to its end.
                 self._drained.add(task)
 
@@ -155,23 +155,25 @@ class SlurmJobTrigger(BaseTrigger):
                 tasks[str(parsed.task)] = outcome.terminal and record.source == "sacct"
         return tasks
 
-    async def _forward(self, poller: ClusterPoller, path: str, offset: int, label: str) -> int:
+    async def _forward(self, poller: ClusterPoller, path: str, offset: int,
+                       label: str) -> tuple[int, bool]:
         """Log the whole lines of ``path`` after ``offset`` as ``[slurm <label>] line``; the
-        offset after them. A partial last line waits for the next round."""
+        offset after them, and whether the read worked. A partial last line waits for the
+        next round."""
         try:
             while True:
                 data = await poller.read_bytes(path, offset, LOG_CHUNK)
                 cut = data.rfind(b"\n") + 1 if len(data) < LOG_CHUNK else len(data)
                 if cut == 0:
-                    return offset
+                    return offset, True
                 for line in data[:cut].decode("utf-8", "replace").splitlines():
                     self.log.info("[slurm %s] %s", label, line)
                 offset += cut
                 if len(data) < LOG_CHUNK:
-                    return offset
+                    return offset, True
         except Exception as exc:  # noqa: BLE001 - a log hiccup must not fail the task
             self.log.warning("could not read job log %s: %s", path, exc)
-            return offset
+            return offset, False
 
     def _note_degraded(self, poller: ClusterPoller, error: str | None, was: bool) -> bool:
         """Say in the task log when the job starts and stops being followed through squeue

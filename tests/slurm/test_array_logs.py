@@ -44,9 +44,12 @@ class LocalFiles:
     def __init__(self) -> None:
         self.snapshot = Snapshot()
         self.reads: list[str] = []
+        self.broken = False  # the SFTP channel failing, as a dropped connection does
 
     async def read_bytes(self, path: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
         self.reads.append(path)
+        if self.broken:
+            raise ConnectionResetError("SFTP channel closed")
         file = Path(path)
         if not file.exists():
             return b""
@@ -118,6 +121,20 @@ def test_a_task_that_left_the_queue_is_still_read(tmp_path, caplog) -> None:
     poller.snapshot = Snapshot(2, {})  # a round that knows nothing
     asyncio.run(trigger._stream_log(poller))
     assert _forwarded(caplog) == ["[slurm 1_0] one", "[slurm 1_0] two"]
+
+
+def test_an_ended_tasks_failed_read_is_tried_again(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    poller = LocalFiles()
+    for t in range(3):
+        (tmp_path / f"slurm-1_{t}.out").write_text(f"last of {t}\n")
+    poller.snapshot = Snapshot(1, parse_sacct(ENDED))
+    trigger = _trigger(tmp_path)
+    poller.broken = True
+    asyncio.run(trigger._stream_log(poller))  # every read fails: nothing counts as drained
+    poller.broken = False
+    asyncio.run(trigger._stream_log(poller))
+    assert _forwarded(caplog) == [f"[slurm 1_{t}] last of {t}" for t in range(3)]
 
 
 def test_a_plain_job_keeps_its_single_log(tmp_path, caplog) -> None:

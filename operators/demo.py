@@ -24,7 +24,6 @@ from pathlib import Path
 
 from jobscripts.common import process_group_alive
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
 from operators.campaign.schema.load import load_campaign
 from operators.campaign.schema.naming import dag_id
 
@@ -34,7 +33,7 @@ CLUSTER_ENV = Path(os.environ.get("PP_CLUSTER_STATE", "/var/lib/pretrain-cluster
 AIRFLOW_PORT, MLFLOW_PORT = 8080, 5000
 DEMO = load_campaign(REPO / "dags" / "campaigns" / "demo.yaml")
 DAG_ID = dag_id(DEMO)
-LAYOUT = Layout(RunPaths.for_campaign(DEMO))
+LAYOUT = Layout.for_campaign(DEMO)
 BIN = Path(sys.executable).parent
 
 
@@ -129,7 +128,7 @@ def _run_demo(env: dict[str, str], af: str, ml: str, started: float) -> int:
     _wait(f"DAG {DAG_ID} to be parsed", lambda: _get(f"{af}/api/v2/dags/{DAG_ID}"), 300)
     # A fresh campaign each time: the demo shows the whole pipeline, not a no-op rerun.
     subprocess.run(["ssh", "-F", "/dev/null", "-o", "BatchMode=yes", *_ssh_args(env),
-                    f"rm -rf {shlex.quote(LAYOUT.paths.campaign_dir)}"], check=True)
+                    f"rm -rf {shlex.quote(LAYOUT.campaign_dir)}"], check=True)
     run = _get(f"{af}/api/v2/dags/{DAG_ID}/dagRuns",
                {"logical_date": None, "conf": {"skip_data_stage": False}}, "POST")
     run_id = run["dag_run_id"]

@@ -23,10 +23,19 @@ from airflow.sdk import BaseOperator, literal
 from operators.slurm.errors import ClusterUnreachable, SlurmCommandError, SlurmJobFailed
 from operators.slurm.jobkey import job_key
 from operators.slurm.links import SlurmJobLink, SlurmLogLink, job_url, log_url
+from operators.slurm.messages import (
+    ERROR,
+    TERMINAL,
+    JobEvent,
+    JobLocation,
+    JobRequest,
+    JobSummary,
+    SubmittedJob,
+)
 from operators.slurm.parse import JobRecord
 from operators.slurm.spec import ContainerSpec, JobSpec
 from operators.slurm.states import Outcome, SettleGate, classify
-from operators.slurm.trigger import SlurmJobTrigger, record_payload, success_summary
+from operators.slurm.trigger import SlurmJobTrigger
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -106,7 +115,14 @@ def log_pattern_for(spec: JobSpec, job_id: str) -> str:
 class SlurmJobOperator(BaseOperator):
     """Run ``command`` as a Slurm batch job on the cluster behind ``ssh_conn_id``.
 
-    :param command: the job's shell command (templated).
+    Subclasses change what is submitted and what happens at the end only through two public
+    extension points: :meth:`prepare_job` (the :class:`JobRequest` to submit, rendered when
+    the task runs) and :meth:`on_job_end` (the job's :class:`JobSummary`, success or
+    failure). One whose job is rendered at run time validates a stand-in rendering at parse
+    time with :meth:`check_request`.
+
+    :param command: the job's shell command (templated); None for a subclass whose
+        :meth:`prepare_job` renders it.
     :param job: sbatch options: partition, account, nodes, time, gpus_per_node, ...
     :param environment: variables exported in the script (not for secrets).
     :param files: name -> content, uploaded into the job's run directory.
@@ -122,7 +138,8 @@ class SlurmJobOperator(BaseOperator):
     operator_extra_links = (SlurmJobLink(), SlurmLogLink())
     ui_color = "#dfe8f5"
 
-    def __init__(self, *, ssh_conn_id: str, command: str, job: Mapping[str, Any] | None = None,
+    def __init__(self, *, ssh_conn_id: str, command: str | None = None,
+                 job: Mapping[str, Any] | None = None,
                  environment: Mapping[str, str] | None = None,
                  files: Mapping[str, str] | None = None, result_file: str | None = None,
                  segment: int | None = None, deferrable: bool = True,
@@ -146,10 +163,9 @@ class SlurmJobOperator(BaseOperator):
         self._run_dir: str | None = None
         self._killed = False  # this try's on_kill ran: a CANCELLED job is its own doing
         self._hook = None  # a SlurmHook, made on first use
-        if not _templated(self.job, self.environment, self.command):
-            # Fail at DAG parse, not on the cluster: validate with a stand-in key.
-            build_spec("pp-parse-check", "/parse-check", plain(self.command), plain(self.job),
-                       plain(self.environment))
+        if command is not None and not _templated(self.job, self.environment, self.command):
+            self.check_request(JobRequest(plain(self.command), plain(self.job),
+                                          plain(self.environment)))
 
     @property
     def hook(self):
@@ -164,29 +180,56 @@ class SlurmJobOperator(BaseOperator):
         ti = context["ti"]
         return job_key(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, self.segment)
 
+    @staticmethod
+    def check_request(request: JobRequest) -> None:
+        """Fail at DAG parse, not on the cluster: ``request``'s spec, validated with a stand-in
+        key and run dir. Raises ``JobSpecError`` naming the field."""
+        build_spec("pp-parse-check", "/parse-check", request.command, request.job,
+                   request.environment)
+
+    def prepare_job(self, context: Context) -> JobRequest:
+        """The job to submit (extension point): by default this operator's (rendered)
+        arguments. A subclass renders its own here, before any submission; it may raise
+        ``AirflowSkipException`` / ``AirflowFailException`` to submit nothing."""
+        if self.command is None:
+            raise ValueError(f"{self.task_id}: no command, and {type(self).__name__} renders "
+                             "none in prepare_job")
+        return JobRequest(self.command, self.job, self.environment, self.files,
+                          self.result_file)
+
+    def on_job_end(self, context: Context, summary: JobSummary,
+                   failure: SlurmJobFailed | None) -> None:
+        """Called once the job ended and its result was read (extension point). ``failure``:
+        None when the job succeeded (the task then returns ``summary``), else the error the
+        task raises after this returns; this may raise a different one instead."""
+
     def execute(self, context: Context) -> Any:
+        request = self.prepare_job(context)
+        if request.result_file != self.result_file:
+            # The resumed task (after deferral) reads the result by this operator's own name.
+            raise ValueError(f"{self.task_id}: prepare_job's result_file "
+                             f"{request.result_file!r} is not the operator's "
+                             f"{self.result_file!r}")
         key = self.job_key(context)
         # Validate before any SSH: a bad spec fails here, naming its field.
-        environment = {PYTHON_ENV: self.hook.settings.remote_python, **self.environment}
-        spec = build_spec(key, "/pending", self.command, self.job, environment)
+        environment = {PYTHON_ENV: self.hook.settings.remote_python, **request.environment}
+        spec = build_spec(key, "/pending", request.command, request.job, environment)
         run_dir = self.hook.run_dir(key)
         spec = replace(spec, workdir=run_dir, output=posixpath.join(
             run_dir, posixpath.basename(spec.output))).validate()
-        record = self._attach_or_submit(spec, run_dir, key)
+        record = self._attach_or_submit(spec, run_dir, key, request.files)
         self._job_id, self._run_dir = record.job_id, run_dir
         log_path = log_path_for(spec, record.job_id)
-        self._persist(context, record.job_id, log_path, run_dir)
+        self._persist(context, JobLocation(record.job_id, log_path, run_dir))
         if not self.wait_for_completion:
-            return {"job_id": record.job_id, "state": record.state, "run_dir": run_dir,
-                    "log_path": log_path}
+            return SubmittedJob(record.job_id, record.state, run_dir, log_path).to_json()
         try:
             outcome = classify(record.state)
         except ValueError:
             outcome = Outcome.ACTIVE
         if outcome.terminal and record.source == "sacct":  # finished before we could defer
-            return self._complete(context, {"status": "terminal", "job_id": record.job_id,
-                                            "outcome": outcome.value,
-                                            "record": record_payload(record)})
+            return self._complete(context, JobEvent(TERMINAL, record.job_id,
+                                                    outcome=outcome.value, record=record))
         if self.deferrable:
             result_path = posixpath.join(run_dir, self.result_file) if self.result_file else None
             self.defer(trigger=SlurmJobTrigger(
@@ -197,7 +240,8 @@ class SlurmJobOperator(BaseOperator):
                 method_name="execute_complete")
         return self._complete(context, self._wait_in_worker(record.job_id, log_path, key))
 
-    def _attach_or_submit(self, spec: JobSpec, run_dir: str, key: str) -> JobRecord:
+    def _attach_or_submit(self, spec: JobSpec, run_dir: str, key: str,
+                          files: Mapping[str, str]) -> JobRecord:
         found = self.hook.find_by_key(key)
         if found is not None:
             outcome = classify(found.state)
@@ -214,7 +258,7 @@ class SlurmJobOperator(BaseOperator):
             # not be read as this one's when this job dies before writing its own.
             self.hook.check("rm -f -- " + shlex.quote(posixpath.join(run_dir, self.result_file)))
         try:
-            job_id = self.hook.submit(spec, run_dir, self.files)
+            job_id = self.hook.submit(spec, run_dir, dict(files))
         except (ClusterUnreachable, SlurmCommandError) as exc:
             # The sbatch may have reached Slurm before the error: look before retrying.
             again = self._lookup_quietly(key)
@@ -247,17 +291,23 @@ class SlurmJobOperator(BaseOperator):
         except (ClusterUnreachable, SlurmCommandError):
             return None
 
-    def _persist(self, context: Context, job_id: str, log_path: str, run_dir: str) -> None:
+    def _persist(self, context: Context, where: JobLocation) -> None:
         ti = context["ti"]
         settings = self.hook.settings
-        ti.xcom_push(key=XCOM_JOB, value={"job_id": job_id, "log_path": log_path,
-                                          "run_dir": run_dir})
-        ti.xcom_push(key=SlurmJobLink().xcom_key, value=job_url(settings, job_id))
-        ti.xcom_push(key=SlurmLogLink().xcom_key, value=log_url(settings, job_id, log_path))
+        ti.xcom_push(key=XCOM_JOB, value=where.to_json())
+        ti.xcom_push(key=SlurmJobLink().xcom_key, value=job_url(settings, where.job_id))
+        ti.xcom_push(key=SlurmLogLink().xcom_key,
+                     value=log_url(settings, where.job_id, where.log_path))
+
+    def job_location(self, context: Context) -> JobLocation | None:
+        """Where this task instance's job is (pushed before it deferred), or None."""
+        ti = context["ti"]
+        info = ti.xcom_pull(task_ids=self.task_id, key=XCOM_JOB, map_indexes=ti.map_index)
+        return JobLocation.from_json(info) if info else None
 
     # -- waiting in the worker (deferrable=False) -------------------------------
     def _wait_in_worker(self, job_id: str, log_path: str,
-                        key: str | None = None) -> dict[str, Any]:
+                        key: str | None = None) -> JobEvent:
         offset, unknown_since, gate = 0, None, SettleGate()
         while True:
             time.sleep(self.poll_interval)
@@ -274,58 +324,73 @@ class SlurmJobOperator(BaseOperator):
             if record is None:
                 unknown_since = unknown_since or time.monotonic()
                 if time.monotonic() - unknown_since > self.unknown_budget_s:
-                    return {"status": "error", "job_id": job_id,
-                            "message": f"job {job_id} state unknown past the budget"}
+                    return JobEvent(ERROR, job_id,
+                                    message=f"job {job_id} state unknown past the budget")
                 continue
             unknown_since = None
             outcome = classify(record.state)
             if gate.final(outcome, record.source, time.monotonic()):
-                return {"status": "terminal", "job_id": job_id, "outcome": outcome.value,
-                        "record": record_payload(record)}
+                return JobEvent(TERMINAL, job_id, outcome=outcome.value, record=record)
 
     # -- completion ------------------------------------------------------------
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
-        return self._complete(context, event)
+        return self._complete(context, JobEvent.from_json(event))
 
-    def _complete(self, context: Context, event: dict[str, Any]) -> Any:
-        job_id = event["job_id"]
+    def _complete(self, context: Context, event: JobEvent) -> Any:
+        job_id = event.job_id
         self._job_id = job_id
-        info = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_JOB,
-                                       map_indexes=context["ti"].map_index) or {}
-        self._run_dir = info.get("run_dir")
-        if event["status"] != "terminal":
-            raise ClusterUnreachable(event.get("message", "polling failed"))
-        record = event["record"]
-        if event["outcome"] not in self.success_outcomes:
-            if self._cancelled_by_earlier_kill(record, info):
+        where = self.job_location(context) or JobLocation(job_id, None, None)
+        self._run_dir = where.run_dir
+        if event.status != TERMINAL:
+            raise ClusterUnreachable(event.message or "polling failed")
+        record = event.record
+        failure = None
+        if event.outcome not in self.success_outcomes:
+            if self._cancelled_by_earlier_kill(record, where):
                 self.log.info("Slurm job %s was cancelled because an earlier try of this task "
                               "was killed (cleared): this try submits its own job", job_id)
                 return self.execute(context)
-            tail = event.get("log_tail")
+            tail = event.log_tail
             if tail is None:
-                tail = self.hook.log_tail(info["log_path"]) if info.get("log_path") else ""
-            raise SlurmJobFailed(
-                f"Slurm job {job_id} ended {record['state']} {record['state_detail']}".rstrip()
-                + f" (exit code {record['exit_code']}, signal {record['signal']}, "
-                f"classified {event['outcome']}); last lines of {info.get('log_path')}:\n{tail}")
-        result = None
-        if "result" in event:  # read by the trigger: no SSH connection from this worker
-            result = event["result"]
-        elif self.result_file and info.get("run_dir"):
-            result = self.hook.read_json(posixpath.join(info["run_dir"], self.result_file))
-        self.log.info("Slurm job %s ended %s after %ss; result: %s", job_id, record["state"],
-                      record["elapsed_s"], json.dumps(result, sort_keys=True))
-        return success_summary(event, info.get("run_dir"), info.get("log_path"), result)
+                tail = self.hook.log_tail(where.log_path) if where.log_path else ""
+            failure = SlurmJobFailed(
+                f"Slurm job {job_id} ended {record.state} {record.state_detail}".rstrip()
+                + f" (exit code {record.exit_code}, signal {record.signal}, "
+                f"classified {event.outcome}); last lines of {where.log_path}:\n{tail}")
+        summary = JobSummary(job_id, event.outcome, record, where.run_dir, where.log_path,
+                             self._result(event, where, quiet=failure is not None))
+        self.on_job_end(context, summary, failure)
+        if failure is not None:
+            raise failure
+        self.log.info("Slurm job %s ended %s after %ss; result: %s", job_id, record.state,
+                      record.elapsed_s, json.dumps(summary.result, sort_keys=True))
+        return summary.to_json()
 
-    def _cancelled_by_earlier_kill(self, record: dict[str, Any], info: dict[str, Any]) -> bool:
+    def _result(self, event: JobEvent, where: JobLocation, *, quiet: bool) -> Any:
+        """The job's result JSON: the trigger's copy (no SSH connection from this worker),
+        else read from the run dir. ``quiet`` (the job failed): a read error gives None, so
+        that the job's own failure is the one reported."""
+        if event.result_read:
+            return event.result
+        if not (self.result_file and where.run_dir):
+            return None
+        try:
+            return self.hook.read_json(posixpath.join(where.run_dir, self.result_file))
+        except (ClusterUnreachable, SlurmCommandError) as exc:
+            if not quiet:
+                raise
+            self.log.warning("result of failed job %s not read: %s", event.job_id, exc)
+            return None
+
+    def _cancelled_by_earlier_kill(self, record: JobRecord, where: JobLocation) -> bool:
         """Whether the job was cancelled by the kill of an earlier try, not by this one.
 
         Clearing a deferred task starts its next try at once; that try can re-attach to the
         still-running job before the old trigger's cancel lands (commands.KILLED_JOBS).
         """
-        if self._killed or record["state"] != "CANCELLED" or not info.get("run_dir"):
+        if self._killed or record.state != "CANCELLED" or not where.run_dir:
             return False
-        return record["job_id"] in self.hook.killed_jobs(info["run_dir"])
+        return record.job_id in self.hook.killed_jobs(where.run_dir)
 
     def on_kill(self) -> None:
         """The task was killed while waiting in a worker: cancel its job."""

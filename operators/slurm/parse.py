@@ -11,9 +11,11 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Any
 
 from operators.slurm.jobids import id_order, parse_job_id
 from operators.slurm.states import Outcome, UnknownSlurmState, classify, normalize_state
+from operators.slurm.wire import JsonMessage
 
 # The columns we ask ``sacct`` for, in order; parse_sacct reads them by name.
 SACCT_FIELDS = (
@@ -34,7 +36,7 @@ class SlurmParseError(ValueError):
 
 
 @dataclass(frozen=True)
-class JobRecord:
+class JobRecord(JsonMessage):
     job_id: str  # "123"; "123_4" for an array task; "1853+1" for a het job component
     name: str
     state: str  # normalised base state, e.g. "CANCELLED"
@@ -49,6 +51,13 @@ class JobRecord:
     gpus: int = 0
     reason: str = ""  # why it pends or ended, as Slurm says
     source: str = "sacct"  # "squeue" rows lack exit codes and times: provisional
+
+    # In an event or XCom the job key is the task's own and the source a poll's detail.
+    json_omit = frozenset({"name", "source"})
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> JobRecord:
+        return super().from_json({"name": "", **data})
 
     @property
     def queue_wait_s(self) -> float | None:

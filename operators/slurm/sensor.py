@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseSensorOperator
 
 from operators.slurm.errors import SlurmJobFailed
+from operators.slurm.messages import TERMINAL, JobEvent
 from operators.slurm.states import Outcome, classify
 from operators.slurm.trigger import SlurmJobTrigger
 
@@ -49,6 +50,7 @@ class SlurmJobSensor(BaseSensorOperator):
                    method_name="execute_complete")
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
-        if event["status"] != "terminal":
-            raise SlurmJobFailed(event.get("message", "polling failed"))
-        self._check(event["record"]["state"], event["record"]["state_detail"])
+        ended = JobEvent.from_json(event)
+        if ended.status != TERMINAL:
+            raise SlurmJobFailed(ended.message or "polling failed")
+        self._check(ended.record.state, ended.record.state_detail)

@@ -18,6 +18,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators.slurm.jobids import parse_job_id
+from operators.slurm.messages import ERROR, TERMINAL, JobEvent
 from operators.slurm.parse import job_view
 from operators.slurm.poller import ClusterPoller
 from operators.slurm.states import Outcome, SettleGate, UnknownSlurmState, classify
@@ -28,39 +29,6 @@ LOG_CHUNK = 256 * 1024
 # SSH connection of its own; a bigger one is read by the task.
 RESULT_IN_EVENT_MAX = 64 * 1024
 LOG_TAIL_BYTES = 4000  # of a failed job's log, for the task's error
-
-
-def record_payload(record) -> dict[str, Any]:
-    """The JSON-safe part of a :class:`JobRecord` that travels in an event or XCom."""
-    return {
-        "job_id": record.job_id, "state": record.state, "state_detail": record.state_detail,
-        "exit_code": record.exit_code, "signal": record.signal,
-        "submit": record.submit.isoformat() if record.submit else None,
-        "start": record.start.isoformat() if record.start else None,
-        "end": record.end.isoformat() if record.end else None,
-        "elapsed_s": record.elapsed_s, "nodelist": record.nodelist, "gpus": record.gpus,
-        "reason": record.reason,
-    }
-
-
-def record_from_payload(payload: dict[str, Any]):
-    """The :class:`JobRecord` back from :func:`record_payload`."""
-    from datetime import datetime
-
-    from operators.slurm.parse import JobRecord
-
-    fields = {k: v for k, v in payload.items() if k in JobRecord.__dataclass_fields__}
-    for key in ("submit", "start", "end"):
-        if fields.get(key):
-            fields[key] = datetime.fromisoformat(fields[key])
-    return JobRecord(name=payload.get("name", ""), **fields)
-
-
-def success_summary(event: dict[str, Any], run_dir: str | None, log_path: str | None,
-                    result: Any) -> dict[str, Any]:
-    """The task's return value (XCom) once its job succeeded: small, JSON, no secrets."""
-    return {"job_id": event["job_id"], "outcome": event["outcome"], "record": event["record"],
-            "run_dir": run_dir, "log_path": log_path, "result": result}
 
 
 class SlurmJobTrigger(BaseTrigger):
@@ -104,8 +72,8 @@ class SlurmJobTrigger(BaseTrigger):
         })
 
     async def _outputs(self, poller: ClusterPoller, outcome: Outcome) -> dict[str, Any]:
-        """The result JSON and, unless the job succeeded, the log's tail (for the task's
-        error), read on the poller's connection.
+        """:class:`JobEvent`'s ``result`` and, unless the job succeeded, its ``log_tail`` (for
+        the task's error), read on the poller's connection.
 
         Best effort: what cannot be read here is left out, and the task reads it itself.
         """
@@ -186,8 +154,9 @@ class SlurmJobTrigger(BaseTrigger):
         return bool(error)
 
     def _event(self, status: str, **fields: Any) -> TriggerEvent:
-        return TriggerEvent({"status": status, "job_id": self.job_id,
-                             "log_offset": self.log_offset, **fields})
+        """A :class:`JobEvent`, as the JSON Airflow stores (the task reads it back typed)."""
+        return TriggerEvent(JobEvent(status=status, job_id=self.job_id,
+                                     log_offset=self.log_offset, **fields).to_json())
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
@@ -204,7 +173,7 @@ class SlurmJobTrigger(BaseTrigger):
                     unknown_since = unknown_since or time.monotonic()
                     waited = time.monotonic() - unknown_since
                     if waited > self.unknown_budget_s:
-                        yield self._event("error", message=(
+                        yield self._event(ERROR, message=(
                             f"job {self.job_id} state unknown for {waited:.0f}s: "
                             f"{snap.error or 'not found by sacct or squeue'}"))
                         return
@@ -214,7 +183,7 @@ class SlurmJobTrigger(BaseTrigger):
                 try:
                     outcome = classify(record.state)
                 except UnknownSlurmState as exc:
-                    yield self._event("error", message=str(exc))
+                    yield self._event(ERROR, message=str(exc))
                     return
                 seen = f"{record.state} {record.state_detail}".rstrip()
                 if seen != last_state:  # e.g. "PENDING requeued after NODE_FAIL"
@@ -223,8 +192,7 @@ class SlurmJobTrigger(BaseTrigger):
                 if gate.final(outcome, record.source, time.monotonic()):
                     await asyncio.sleep(0)  # let the log's last write land before the drain
                     await self._stream_log(poller)
-                    yield self._event("terminal", outcome=outcome.value,
-                                      record=record_payload(record),
+                    yield self._event(TERMINAL, outcome=outcome.value, record=record,
                                       **await self._outputs(poller, outcome))
                     return
         finally:

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from operators.campaign.render import bridge
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunInputs
 from operators.campaign.render.plan import exit_duration_minutes, signal_lead_seconds
 from operators.campaign.schema.load import campaign_from_dict, load_campaign
 from operators.slurm.operator import build_spec
@@ -33,7 +34,8 @@ def campaign():
 
 @pytest.fixture(scope="module")
 def paths(campaign):
-    return RunPaths.for_campaign(campaign, data_prefixes=[PREFIX], code_dir=CODE)
+    """The layout and the runtime inputs (the renderers' arguments after the campaign)."""
+    return Layout.for_campaign(campaign), RunInputs.of([PREFIX], code_dir=CODE)
 
 
 def _golden(name: str, text: str) -> None:
@@ -44,13 +46,12 @@ def _golden(name: str, text: str) -> None:
 
 
 def _script(campaign, paths) -> str:
-    seg = bridge.bridge_segment(campaign, paths)
-    return render_script(build_spec(KEY, RUN_DIR, seg["command"], seg["job"],
-                                    seg["environment"]))
+    seg = bridge.bridge_segment(campaign, *paths)
+    return render_script(build_spec(KEY, RUN_DIR, seg.command, seg.job, seg.environment))
 
 
 def test_golden_bridge_yaml(campaign, paths) -> None:
-    _golden("llama31_8b_fp8.bridge.yaml", bridge.render_bridge_yaml(campaign, paths, 223))
+    _golden("llama31_8b_fp8.bridge.yaml", bridge.render_bridge_yaml(campaign, *paths, 223))
 
 
 def test_golden_sbatch(campaign, paths) -> None:
@@ -58,17 +59,17 @@ def test_golden_sbatch(campaign, paths) -> None:
 
 
 def test_segment_bundles_yaml_with_the_planned_exit(campaign, paths) -> None:
-    seg = bridge.bridge_segment(campaign, paths)
+    seg = bridge.bridge_segment(campaign, *paths)
     # 240 min - start-up before Bridge's timer 3 - save 2 - margin 5
-    assert seg["files"][bridge.CONFIG_FILE] == bridge.render_bridge_yaml(campaign, paths, 230)
-    assert seg["result_file"] == "segment.json"
+    assert seg.files[bridge.CONFIG_FILE] == bridge.render_bridge_yaml(campaign, *paths, 230)
+    assert seg.result_file == "segment.json"
     # A slower save measured by an earlier segment shortens the next one's training.
-    slower = bridge.bridge_segment(campaign, paths, [{"save_seconds": 600.0, "saves": 2}])
-    assert "exit_duration_in_mins: 227" in slower["files"][bridge.CONFIG_FILE]
+    slower = bridge.bridge_segment(campaign, *paths, [{"save_seconds": 600.0, "saves": 2}])
+    assert "exit_duration_in_mins: 227" in slower.files[bridge.CONFIG_FILE]
 
 
 def test_yaml_facts(campaign, paths) -> None:
-    tree = yaml.safe_load(bridge.render_bridge_yaml(campaign, paths, 223))
+    tree = yaml.safe_load(bridge.render_bridge_yaml(campaign, *paths, 223))
     assert set(tree) == {"dataset", "train", "validation", "optimizer", "scheduler",
                          "checkpoint", "ddp", "model", "tokenizer", "logger", "rng",
                          "mixed_precision"}
@@ -92,7 +93,7 @@ def test_blend_prefixes_and_recompute(tmp_path) -> None:
         "training.context_parallel_size": 1, "training.lr_decay_style": "WSD",
         "training.lr_wsd_decay_iters": 200, "segments.iters_per_segment": 100})
     c = campaign_from_dict(doc)
-    tree = yaml.safe_load(bridge.render_bridge_yaml(c, RunPaths.for_campaign(c), 60))
+    tree = yaml.safe_load(bridge.render_bridge_yaml(c, Layout.for_campaign(c), RunInputs(), 60))
     assert tree["dataset"]["data_path"] == ["0.7", "/d/web", "0.3", "/d/code"]
     assert tree["model"]["recompute_granularity"] == "full"
     assert tree["model"]["sequence_parallel"] is True
@@ -102,25 +103,25 @@ def test_blend_prefixes_and_recompute(tmp_path) -> None:
 
 def test_data_and_tokenizer_from_the_data_stage_must_be_passed(campaign) -> None:
     with pytest.raises(ValueError, match="data_prefixes"):
-        bridge.render_bridge_yaml(campaign, RunPaths.for_campaign(campaign), 60)
+        bridge.render_bridge_yaml(campaign, Layout.for_campaign(campaign), RunInputs(), 60)
     trained = campaign_from_dict(edited(raw(LLAMA_8B), {
         "data.tokenizer": {"train": {"vocab_size": 32000}}}))
     with pytest.raises(ValueError, match="tokenizer_dir"):
-        bridge.render_bridge_yaml(trained, RunPaths.for_campaign(trained, data_prefixes=["/p"]),
-                                  60)
+        bridge.render_bridge_yaml(trained, Layout.for_campaign(trained),
+                                  RunInputs.of(["/p"]), 60)
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, None])
 def test_exit_duration_must_be_a_positive_int(campaign, paths, bad) -> None:
     with pytest.raises(ValueError, match="exit_duration_in_mins"):
-        bridge.render_bridge_yaml(campaign, paths, bad)
+        bridge.render_bridge_yaml(campaign, *paths, bad)
 
 
 def test_run_paths_are_checked_like_campaign_paths(campaign) -> None:
     with pytest.raises(ValueError, match=r"run_paths.data_prefixes\[0\]"):
-        RunPaths.for_campaign(campaign, data_prefixes=["/d/x;rm -rf /"])
+        RunInputs.of(["/d/x;rm -rf /"])
     with pytest.raises(ValueError, match="run_paths.code_dir"):
-        RunPaths.for_campaign(campaign, code_dir="/a/../b")
+        RunInputs(code_dir="/a/../b")
 
 
 @pytest.mark.parametrize(("limit", "startup", "save_s", "margin", "expected"), [
@@ -149,7 +150,7 @@ def test_signal_lead_is_inside_the_margin() -> None:
 
 
 def test_job_options(campaign, paths) -> None:
-    job, command, env = bridge.bridge_job(campaign, paths)
+    job, command, env = bridge.bridge_job(campaign, paths[1])
     assert job == {"nodes": 2, "ntasks_per_node": 1, "gpus_per_node": "4", "time": "04:00:00",
                    "exclusive": True, "signal": "TERM@150", "requeue": True, "partition": "workq",
                    "cpus_per_task": 288}
@@ -165,7 +166,7 @@ def test_job_options(campaign, paths) -> None:
 def test_campaign_environment_overrides_the_defaults(campaign, paths) -> None:
     online = campaign_from_dict(edited(raw(LLAMA_8B), {
         "cluster.environment": {"HF_HUB_OFFLINE": "0"}}))
-    assert bridge.bridge_job(online, paths)[2]["HF_HUB_OFFLINE"] == "0"
+    assert bridge.bridge_job(online, paths[1])[2]["HF_HUB_OFFLINE"] == "0"
 
 
 def test_reference_model_has_no_bridge_job() -> None:
@@ -173,10 +174,10 @@ def test_reference_model_has_no_bridge_job() -> None:
 
     demo = load_campaign(DEMO)
     with pytest.raises(ValueError):
-        bridge.bridge_job(demo, RunPaths.for_campaign(demo))
+        bridge.bridge_job(demo, RunInputs())
     with pytest.raises(ValueError, match="model.recipe"):
-        bridge.render_bridge_yaml(demo, RunPaths.for_campaign(demo, data_prefixes=["/p"],
-                                                              tokenizer_dir="/t"), 5)
+        bridge.render_bridge_yaml(demo, Layout.for_campaign(demo),
+                                  RunInputs.of(["/p"], tokenizer_dir="/t"), 5)
 
 
 _STUBS = {

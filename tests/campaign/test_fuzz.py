@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 
 from operators.campaign.dag.dag_factory import build_dag
 from operators.campaign.dag.folder import campaign_files
+from operators.campaign.dag.preflight import PreflightOperator, preflight_request
 from operators.campaign.dag.segment import TrainingSegmentOperator
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.paths import RunInputs
 from operators.campaign.schema.load import CampaignConfigError, load_campaign
 from operators.slurm.operator import PYTHON_ENV, SlurmJobOperator, build_spec
 from operators.slurm.render import render_script
@@ -176,11 +177,14 @@ class _Ti:
 def _scripts(campaign) -> list[tuple[str, str, dict]]:
     """(task id, script, environment) for every job of the campaign's DAG."""
     dag = build_dag(campaign, auto_register=False)
-    layout = Layout(RunPaths.for_campaign(campaign))
+    layout = Layout.for_campaign(campaign)
     out = []
     for task in dag.tasks:
         if isinstance(task, TrainingSegmentOperator):
             kwargs = _segment(campaign, layout)
+        elif isinstance(task, PreflightOperator):  # renders its job when it runs, like a segment
+            kwargs = preflight_request(campaign, layout, RunInputs.stand_in(campaign, layout),
+                                       []).to_json()
         elif isinstance(task, SlurmJobOperator):
             task.render_template_fields({"ti": _Ti(), "params": {}})
             kwargs = {"command": task.command, "job": task.job, "environment": task.environment}
@@ -197,12 +201,12 @@ def _segment(campaign, layout: Layout) -> dict:
     if campaign.model.reference is not None:
         from operators.campaign.render.reference import reference_segment
 
-        return reference_segment(campaign, layout, ["/data/corpus_text_document"])
+        return reference_segment(campaign, layout,
+                                 RunInputs.of(["/data/corpus_text_document"])).to_json()
     from operators.campaign.render.bridge import bridge_segment
 
-    paths = RunPaths.for_campaign(campaign, data_prefixes=["/data/corpus_text_document"],
-                                  tokenizer_dir=layout.tokenizer)
-    return bridge_segment(campaign, paths)
+    inputs = RunInputs.of(["/data/corpus_text_document"], tokenizer_dir=layout.tokenizer)
+    return bridge_segment(campaign, layout, inputs).to_json()
 
 
 def _run(script: str, work: Path) -> dict[str, str] | None:

@@ -27,7 +27,8 @@ import yaml
 
 from operators.campaign.adapters.code_ship import ship
 from operators.campaign.render import bridge
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunInputs
 from operators.campaign.schema.load import load_campaign
 from operators.slurm.hook import SlurmHook
 from operators.slurm.jobkey import job_key
@@ -89,9 +90,10 @@ def hook(local_cluster):
 
 def test_rendered_segment_runs_through_srun_container_and_torchrun(hook, tmp_path) -> None:
     campaign = _campaign(tmp_path)
-    code_dir = ship(hook, RunPaths.for_campaign(campaign))
-    paths = RunPaths.for_campaign(campaign, data_prefixes=[str(PREFIX)], code_dir=code_dir)
-    seg = bridge.bridge_segment(campaign, paths, [], train_iters=600)
+    layout = Layout.for_campaign(campaign)
+    code_dir = ship(hook, layout)
+    inputs = RunInputs.of([str(PREFIX)], code_dir=code_dir)
+    seg = bridge.bridge_segment(campaign, layout, inputs, [], train_iters=600).to_json()
     key = job_key("launch-test", uuid.uuid4().hex, "train.segment_1")
     run_dir = hook.run_dir(key)
     hook.upload(run_dir, {"segment.json": json.dumps({"end_iteration": 999})})  # a stale try

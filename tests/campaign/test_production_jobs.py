@@ -24,7 +24,7 @@ import yaml
 from operators.campaign.dag.segment import TrainingSegmentOperator
 from operators.campaign.render import bridge, stages
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.paths import RunInputs
 from operators.campaign.render.placement import CODE_DIR_VAR, CONTAINER_PYTHONPATH
 from operators.campaign.schema.load import campaign_from_dict, load_campaign
 from operators.slurm.operator import build_spec
@@ -57,15 +57,16 @@ def _segment(campaign, history=(), train_iters=None) -> dict:
     """What TrainingSegmentOperator renders before its sbatch (the data from the manifest)."""
     op = TrainingSegmentOperator(campaign=campaign, segment=len(history) + 1,
                                  task_id=f"train.segment_{len(history) + 1}")
-    layout = Layout(RunPaths.for_campaign(campaign))
-    op._render_segment(layout, [PREFIX], list(history), train_iters or 1000)
-    return {"command": op.command, "job": op.job, "environment": op.environment,
-            "files": op.files}
+    layout = Layout.for_campaign(campaign)
+    seg = op.render_segment(RunInputs.of([PREFIX], layout.tokenizer), list(history),
+                            train_iters or 1000)
+    return {"command": seg.command, "job": seg.job, "environment": seg.environment,
+            "files": seg.files}
 
 
 @pytest.fixture(scope="module")
 def jobs(campaign) -> dict[str, dict]:
-    layout = Layout(RunPaths.for_campaign(campaign))
+    layout = Layout.for_campaign(campaign)
     rendered = {name: getattr(stages, name)(campaign, layout) for name in DATA_STAGES
                 if name != "token_gate"}
     rendered["token_gate"] = stages.token_gate(campaign, layout, "/runs/ingest/result.json")
@@ -74,7 +75,7 @@ def jobs(campaign) -> dict[str, dict]:
     from operators.campaign.dag.preflight import bridge_preflight_job
 
     rendered["preflight"] = bridge_preflight_job(
-        campaign, RunPaths.for_campaign(campaign, data_prefixes=[PREFIX]), [])
+        campaign, Layout.for_campaign(campaign), RunInputs.of([PREFIX]), []).to_json()
     rendered["segment_1"] = _segment(campaign)
     rendered["segment_2"] = _segment(campaign, [SEGMENT_1], train_iters=600)
     return rendered
@@ -116,7 +117,7 @@ def test_data_stages_are_small_cpu_jobs_on_the_host(jobs, name) -> None:
 
 def test_default_data_placement_is_four_cpus(campaign) -> None:
     c = campaign_from_dict(edited(raw(LLAMA_8B), {"stages.data": DELETE}))
-    job = stages.ingest(c, Layout(RunPaths.for_campaign(c)))["job"]
+    job = stages.ingest(c, Layout.for_campaign(c))["job"]
     assert job == {"partition": "workq", "time": "04:00:00", "cpus_per_task": 4}
 
 
@@ -230,8 +231,8 @@ def test_segment_launch_line(jobs, campaign) -> None:
 
 def test_no_cpu_flag_without_a_cpu_count() -> None:
     c = campaign_from_dict(edited(raw(LLAMA_8B), {"cluster.cpus_per_task": DELETE}))
-    paths = RunPaths.for_campaign(c, data_prefixes=[PREFIX])
-    assert "--cpus-per-task" not in bridge.bridge_job(c, paths)[1]  # SLURM_CPUS_PER_TASK unset
+    inputs = RunInputs.of([PREFIX])
+    assert "--cpus-per-task" not in bridge.bridge_job(c, inputs)[1]  # SLURM_CPUS_PER_TASK unset
 
 
 def test_resumed_segment_uses_what_segment_1_measured(jobs) -> None:
@@ -255,9 +256,9 @@ def test_blend_reaches_the_bridge_segment_as_weights_and_prefixes() -> None:
         "data.source": DELETE,
         "data.blend": [{"weight": 0.7, "prefix": "/d/web"}, {"weight": 0.3, "prefix": "/d/code"}]}))
     op = TrainingSegmentOperator(campaign=c, segment=1, task_id="train.segment_1")
-    layout = Layout(RunPaths.for_campaign(c))
-    op._render_segment(layout, op._data_path(layout, None), [], 1000)
-    tree = yaml.safe_load(op.files[bridge.CONFIG_FILE])
+    layout = Layout.for_campaign(c)
+    seg = op.render_segment(op._inputs(layout, None), [], 1000)
+    tree = yaml.safe_load(seg.files[bridge.CONFIG_FILE])
     assert tree["dataset"]["data_path"] == ["0.7", "/d/web", "0.3", "/d/code"]
 
 

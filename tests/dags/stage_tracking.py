@@ -18,7 +18,6 @@ from airflow.sdk import DAG
 from operators.campaign.dag.stage_operator import CampaignStageOperator
 from operators.campaign.render import stages
 from operators.campaign.render.layout import RESULT_FILE, Layout
-from operators.campaign.render.paths import RunPaths
 from operators.campaign.schema.load import campaign_from_dict
 
 ROOT = "/home/pretrain/pp-test-stage-tracking"
@@ -39,7 +38,7 @@ def _campaign():
 
 
 CAMPAIGN = _campaign()
-LAYOUT = Layout(RunPaths.for_campaign(CAMPAIGN))
+LAYOUT = Layout.for_campaign(CAMPAIGN)
 
 with DAG("stage_tracking", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
          tags=["test"]):

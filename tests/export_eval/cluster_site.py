@@ -23,7 +23,6 @@ import pytest
 
 from operators.campaign.render import stages
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
 from operators.campaign.schema.load import campaign_from_dict
 from tests.campaign.util import DELETE, edited, raw
 from tests.support import cluster
@@ -65,7 +64,7 @@ def site(local_cluster, trained) -> Site:
     base = ROOT / uuid.uuid4().hex[:10]
     dataset = base / "data" / "synthetic_text_document"
     doc = campaign_document(base, str(dataset), trained)
-    layout = Layout(RunPaths.for_campaign(campaign_from_dict(doc)))
+    layout = Layout.for_campaign(campaign_from_dict(doc))
     try:
         shutil.copytree(trained.root, layout.checkpoints)
         shutil.copytree(trained.tokenizer, layout.tokenizer)

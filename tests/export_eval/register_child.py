@@ -19,14 +19,13 @@ import sys
 def main(argv: list[str]) -> int:
     from operators.campaign.adapters.tracking import register
     from operators.campaign.render.layout import Layout
-    from operators.campaign.render.paths import RunPaths
     from operators.campaign.schema.load import campaign_from_dict
     from operators.slurm.hook import SlurmHook
 
     args = json.loads(argv[0])
     campaign = campaign_from_dict(args["campaign"])
-    layout = Layout(RunPaths.for_campaign(campaign))
-    for path in (layout.hf_export, posixpath.dirname(layout.paths.campaign_dir)):
+    layout = Layout.for_campaign(campaign)
+    for path in (layout.hf_export, posixpath.dirname(layout.campaign_dir)):
         if os.path.exists(path):
             print(f"{path} is visible to this process: the test proves nothing", file=sys.stderr)
             return 2

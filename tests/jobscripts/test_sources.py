@@ -20,7 +20,6 @@ from jobscripts.hf_fetch import HfSource, matching_files, parse_hf_uri
 from jobscripts.s3_fetch import S3Source, parse_s3_uri
 from operators.campaign.render import stages
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
 from operators.campaign.schema.load import CampaignConfigError, campaign_from_dict, load_campaign
 from tests.campaign.util import DEMO, LLAMA_8B, edited, raw
 from tests.support.data_stage import parquet_bytes, run_main
@@ -117,7 +116,7 @@ def test_a_bad_source_uri_fails_when_the_campaign_loads(source, fragment, tmp_pa
 
 def _ingest_argv(source: str) -> list[str]:
     campaign = campaign_from_dict(edited(raw(LLAMA_8B), {"data.source": source}))
-    command = stages.ingest(campaign, Layout(RunPaths.for_campaign(campaign)))["command"]
+    command = stages.ingest(campaign, Layout.for_campaign(campaign))["command"]
     argv = shlex.split(command.splitlines()[-1])  # the site's set-up lines come first
     assert argv[:3] == ["$PP_PYTHON", "-m", "jobscripts.ingest"] and argv[-2] == "--result"
     return argv[3:-2]  # run_main adds its own --result

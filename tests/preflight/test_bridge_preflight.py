@@ -24,7 +24,8 @@ import yaml
 
 from operators.campaign.adapters.code_ship import ship
 from operators.campaign.dag.preflight import bridge_preflight_job
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunInputs
 from operators.campaign.schema.load import load_campaign
 from operators.slurm.hook import SlurmHook
 from operators.slurm.jobkey import job_key
@@ -109,11 +110,10 @@ def _run_job(hook: SlurmHook, kwargs: dict, extra_files: dict | None = None) -> 
 
 
 def _rendered(hook: SlurmHook, campaign) -> tuple[dict, str]:
-    base = RunPaths.for_campaign(campaign)
-    code_dir = ship(hook, base)
-    paths = RunPaths.for_campaign(campaign, tokenizer_dir=str(ROOT / "tokenizer"),
-                                  code_dir=code_dir)
-    return bridge_preflight_job(campaign, paths, []), code_dir
+    layout = Layout.for_campaign(campaign)
+    code_dir = ship(hook, layout)
+    inputs = RunInputs(tokenizer_dir=str(ROOT / "tokenizer"), code_dir=code_dir)
+    return bridge_preflight_job(campaign, layout, inputs, []).to_json(), code_dir
 
 
 def test_production_campaign_passes_preflight_with_bridges_own_checks(hook, tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from operators.campaign.adapters.code_ship import MARKER, code_version, package_root, ship
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.layout import Layout
 from operators.slurm.hook import SlurmHook
 from tests.support import cluster
 
@@ -38,7 +38,7 @@ def test_digest_follows_the_files(tmp_path):
 
 
 def test_shipped_once_per_version_and_imported_from_there(hook, tmp_path):
-    paths = RunPaths(campaign_dir=str(ROOT / uuid.uuid4().hex), checkpoint_dir="/unused")
+    paths = Layout(campaign_dir=str(ROOT / uuid.uuid4().hex), checkpoint_dir="/unused")
     version = code_version()
     code_dir = ship(hook, paths, version)
     assert code_dir == f"{paths.campaign_dir}/code/{version.digest}"

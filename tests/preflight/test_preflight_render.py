@@ -12,7 +12,7 @@ from operators.campaign.dag.preflight import bridge_preflight_job
 from operators.campaign.dag.segment import TrainingSegmentOperator
 from operators.campaign.render import bridge
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.paths import RunInputs
 from operators.campaign.schema.load import load_campaign
 from operators.slurm.operator import build_spec
 from operators.slurm.render import render_script
@@ -26,15 +26,15 @@ CODE = f"{ROOT}/code/0123456789abcdef"
 
 def _rendered():
     campaign = load_campaign(LLAMA_8B)
-    layout = Layout(RunPaths.for_campaign(campaign))
-    paths = RunPaths.for_campaign(campaign, data_prefixes=[PREFIX],
-                                  tokenizer_dir=layout.tokenizer, code_dir=CODE)
-    job = bridge_preflight_job(campaign, paths, [])
+    layout = Layout.for_campaign(campaign)
+    inputs = RunInputs.of([PREFIX], tokenizer_dir=layout.tokenizer, code_dir=CODE)
+    job = bridge_preflight_job(campaign, layout, inputs, []).to_json()
     key = "pp-train.preflight-0123456789abcdef"
     script = render_script(build_spec(key, f"/scratch/pretrain/pp-runs/{key}", job["command"],
                                       job["job"], job["environment"]))
-    segment = TrainingSegmentOperator(campaign=campaign, segment=1, task_id="train.segment_1")
-    segment._render_segment(layout, [PREFIX], [], campaign.training.train_iters)
+    operator = TrainingSegmentOperator(campaign=campaign, segment=1, task_id="train.segment_1")
+    segment = operator.render_segment(RunInputs.of([PREFIX], layout.tokenizer), [],
+                                      campaign.training.train_iters)
     return campaign, job, script, segment
 
 

@@ -16,7 +16,7 @@ from jobscripts import reference_preflight
 from operators.campaign.adapters.code_ship import ship, with_pythonpath
 from operators.campaign.dag.preflight import reference_preflight_job
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.paths import RunInputs
 from operators.campaign.schema.load import load_campaign
 from operators.slurm.hook import SlurmHook
 from tests.preflight.test_bridge_preflight import _run_job
@@ -76,7 +76,7 @@ def test_the_rendered_reference_preflight_job_on_the_cluster(local_cluster, tmp_
     doc["cluster"]["remote_root"] = str(root)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
     campaign = load_campaign(tmp_path / "c.yaml")
-    layout = Layout(RunPaths.for_campaign(campaign))
+    layout = Layout.for_campaign(campaign)
     prefix = f"{layout.tokens}/corpus_text_document"
     Path(layout.tokenizer).mkdir(parents=True)
     Path(layout.tokenizer, "tokenizer.json").write_text("{}")
@@ -87,9 +87,9 @@ def test_the_rendered_reference_preflight_job_on_the_cluster(local_cluster, tmp_
         monkeypatch.setenv(name, value)
     hook = SlurmHook(cluster.CONN_ID)
     try:
-        kwargs = reference_preflight_job(campaign, layout, [prefix], [])
+        kwargs = reference_preflight_job(campaign, layout, RunInputs.of([prefix]), []).to_json()
         env = {"PP_PYTHON": local_cluster["extra"]["remote_python"],
-               **with_pythonpath(kwargs["environment"], ship(hook, layout.paths))}
+               **with_pythonpath(kwargs["environment"], ship(hook, layout))}
         result, log = _run_job(hook, {**kwargs, "environment": env})
         assert result is not None and result["ok"], log[-2000:]
         shutil.rmtree(layout.tokenizer)

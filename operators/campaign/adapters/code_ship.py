@@ -19,12 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.layout import Layout
 from operators.campaign.render.placement import CODE_DIR_VAR
+from operators.slurm.messages import JobRequest
 from operators.slurm.operator import SlurmJobOperator
 
 if TYPE_CHECKING:
@@ -45,9 +46,9 @@ class CodeVersion:
     digest: str
     files: dict[str, bytes]  # path under the version directory ('jobscripts/x.py') -> bytes
 
-    def directory(self, paths: RunPaths) -> str:
+    def directory(self, layout: Layout) -> str:
         """What PYTHONPATH names: the directory that holds ``jobscripts/``."""
-        return posixpath.join(paths.campaign_dir, CODE_DIR, self.digest)
+        return posixpath.join(layout.campaign_dir, CODE_DIR, self.digest)
 
 
 def package_root() -> Path:
@@ -74,7 +75,7 @@ def code_version(root: Path | None = None) -> CodeVersion:
     return CodeVersion(digest.hexdigest()[:DIGEST_CHARS], files)
 
 
-def ship(hook: SlurmHook, paths: RunPaths, version: CodeVersion | None = None) -> str:
+def ship(hook: SlurmHook, layout: Layout, version: CodeVersion | None = None) -> str:
     """Upload ``version`` under the campaign unless it is there; returns its directory.
 
     Safe against a concurrent or interrupted upload: each file is renamed into place whole and
@@ -82,7 +83,7 @@ def ship(hook: SlurmHook, paths: RunPaths, version: CodeVersion | None = None) -
     marker is simply uploaded again.
     """
     version = version or code_version()
-    target = version.directory(paths)
+    target = version.directory(layout)
     if hook.read_bytes(posixpath.join(target, MARKER)):
         return target
     by_dir: dict[str, dict[str, bytes]] = {}
@@ -104,13 +105,18 @@ def with_pythonpath(environment: dict[str, str], code_dir: str) -> dict[str, str
 
 class ShipsCode:
     """For a campaign's ``SlurmJobOperator`` subclasses (``self.campaign``, ``self.hook``):
-    call :meth:`ship_code` in ``execute`` before submitting."""
+    call :meth:`ship_code` in ``prepare_job`` and put its directory on the request's
+    PYTHONPATH (:func:`with_code`)."""
 
     def ship_code(self) -> str:
-        code_dir = ship(self.hook, RunPaths.for_campaign(self.campaign))
-        self.environment = with_pythonpath(dict(self.environment), code_dir)
+        code_dir = ship(self.hook, Layout.for_campaign(self.campaign))
         self.log.info("jobscripts shipped: PYTHONPATH=%s", code_dir)
         return code_dir
+
+
+def with_code(request: JobRequest, code_dir: str) -> JobRequest:
+    """``request`` with the shipped code on its PYTHONPATH (:func:`with_pythonpath`)."""
+    return replace(request, environment=with_pythonpath(dict(request.environment), code_dir))
 
 
 class CampaignJobOperator(ShipsCode, SlurmJobOperator):
@@ -120,6 +126,5 @@ class CampaignJobOperator(ShipsCode, SlurmJobOperator):
         super().__init__(ssh_conn_id=campaign.cluster.ssh_conn_id, **kwargs)
         self.campaign = campaign
 
-    def execute(self, context: Context):
-        self.ship_code()
-        return super().execute(context)
+    def prepare_job(self, context: Context) -> JobRequest:
+        return with_code(super().prepare_job(context), self.ship_code())

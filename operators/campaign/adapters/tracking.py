@@ -15,7 +15,6 @@ import os
 import posixpath
 import tempfile
 from collections.abc import Mapping
-from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +27,7 @@ if TYPE_CHECKING:
 
     from operators.campaign.schema.config import Campaign
     from operators.slurm.hook import SlurmHook
+    from operators.slurm.messages import JobSummary
     from operators.tracking.tracker import Tracker
 
 SPOOL_ROOT_ENV = "PP_TRACKING_SPOOL"  # where records wait while MLflow is down
@@ -106,30 +106,29 @@ def _task_child(tracker: Tracker, parent: str | None, ti, tags: Mapping[str, str
     return child
 
 
-def _job_start_ms(summary: dict[str, Any]) -> int | None:
+def _job_start_ms(summary: JobSummary) -> int | None:
     """The job's start as the timestamp of every value it produced: a retried task re-sends
     the same values, which MLflow then drops instead of doubling the curve."""
-    start = (summary.get("record") or {}).get("start")
-    return int(datetime.fromisoformat(start).timestamp() * 1000) if start else None
+    start = summary.record.start
+    return int(start.timestamp() * 1000) if start else None
 
 
-def _log_job(tracker: Tracker, child: str | None, hook: SlurmHook, summary: dict[str, Any],
+def _log_job(tracker: Tracker, child: str | None, hook: SlurmHook, summary: JobSummary,
              files: Mapping[str, bytes | str], *, log: str | None = None, step: int = 0,
              status: str = "FINISHED") -> None:
     """A finished job on its child run: Slurm accounting, the job script, the job log (the
     last ``JOB_LOG_LIMIT`` bytes unless ``log`` is given) and ``files``; then ends the run."""
     from operators.slurm.hook import SCRIPT_NAME
-    from operators.slurm.trigger import record_from_payload
     from operators.tracking.artifacts import JOBSCRIPTS, LOGS
 
-    tracker.log_accounting(child, record_from_payload(summary["record"]), step=step)
+    tracker.log_accounting(child, summary.record, step=step)
     found: dict[str, bytes | str] = {}
     script = f"{JOBSCRIPTS}/{SCRIPT_NAME}"
-    if summary.get("run_dir") and script not in files:
-        found[script] = hook.read_bytes(posixpath.join(summary["run_dir"], SCRIPT_NAME))
-    if summary.get("log_path"):
-        found[f"{LOGS}/{posixpath.basename(summary['log_path'])}"] = (
-            log if log is not None else hook.log_tail(summary["log_path"], JOB_LOG_LIMIT))
+    if summary.run_dir and script not in files:
+        found[script] = hook.read_bytes(posixpath.join(summary.run_dir, SCRIPT_NAME))
+    if summary.log_path:
+        found[f"{LOGS}/{posixpath.basename(summary.log_path)}"] = (
+            log if log is not None else hook.log_tail(summary.log_path, JOB_LOG_LIMIT))
     _log_files(tracker, child, {**found, **files})
     tracker.finish(child, status)
 
@@ -144,7 +143,7 @@ def _segment_files(files: Mapping[str, str]) -> dict[str, str]:
 
 
 def track_segment(campaign: Campaign, hook: SlurmHook, layout: Layout, context: Context,
-                  summary: dict[str, Any], files: dict[str, str]) -> None:
+                  summary: JobSummary, files: dict[str, str]) -> None:
     """Metrics, accounting and artifacts of one finished segment."""
     from jobscripts import vocabulary
     from operators.tracking import logparse
@@ -158,7 +157,7 @@ def track_segment(campaign: Campaign, hook: SlurmHook, layout: Layout, context: 
     child = _task_child(tracker, parent, ti, {
         names.KIND_TAG: names.SEGMENT_KIND, names.STAGE_TAG: names.TRAIN_STAGE,
         names.SEGMENT_TAG: ti.task_id})
-    log = hook.read_bytes(summary["log_path"], 0, 256 << 20).decode("utf-8", "replace")
+    log = hook.read_bytes(summary.log_path, 0, 256 << 20).decode("utf-8", "replace")
     records = list(logparse.parse_lines(log.splitlines()))
     t = campaign.training
     stamp = _job_start_ms(summary)
@@ -170,7 +169,7 @@ def track_segment(campaign: Campaign, hook: SlurmHook, layout: Layout, context: 
         from operators.tracking.artifacts import CHECKPOINT_FALLBACK
 
         tracker.set_tags(child, {CHECKPOINT_FALLBACK: "; ".join(fallbacks)})
-    result = summary.get("result") or {}
+    result = summary.result or {}
     if result.get("checkpoint"):
         tracker.record_checkpoint(parent, result["checkpoint"]["path"],
                                   result["checkpoint"].get("iteration"))
@@ -179,13 +178,13 @@ def track_segment(campaign: Campaign, hook: SlurmHook, layout: Layout, context: 
 
 
 def _log_evaluation(tracker: Tracker, runs: tuple[str | None, ...], hook: SlurmHook, layout: Layout,
-                    summary: dict[str, Any]) -> None:
+                    summary: JobSummary) -> None:
     """An evaluation's figures on its child run and the campaign's, at step = the campaign's
     checkpoint iteration (the one that was exported), so several evaluations make a curve."""
     from operators.campaign.adapters.remote import read_iteration
     from operators.tracking.registry import eval_metrics
 
-    result = summary.get("result") or {}
+    result = summary.result or {}
     values = eval_metrics(result) if result.get("ok") else {}
     if not values:
         return
@@ -195,7 +194,7 @@ def _log_evaluation(tracker: Tracker, runs: tuple[str | None, ...], hook: SlurmH
 
 
 def track_stage(campaign: Campaign, hook: SlurmHook, layout: Layout, context: Context,
-                stage: str, summary: dict[str, Any], files: Mapping[str, bytes | str],
+                stage: str, summary: JobSummary, files: Mapping[str, bytes | str],
                 status: str = "FINISHED") -> None:
     """A non-training stage's child run (tag ``pp.stage``): its job, ``files`` (artifact path
     -> content: result JSON, reports, manifest...), ended with ``status``; an evaluation's

@@ -46,27 +46,20 @@ def segment_request(campaign: Campaign) -> dict[str, Any]:
     if campaign.model.reference is not None:
         return {**stage_job(campaign), **segment_job_options(campaign, batch_shell=True)}
     from operators.campaign.render.bridge import bridge_job
-    from operators.campaign.render.paths import RunPaths
+    from operators.campaign.render.paths import RunInputs
 
-    return bridge_job(campaign, RunPaths.for_campaign(campaign))[0]
-
-
-# Where the data stage will put the dataset: the jobs' options do not depend on it.
-_DATA_PATH = ["/dataset-known-when-run_text_document"]
+    return bridge_job(campaign, RunInputs())[0]
 
 
 def preflight_request(campaign: Campaign) -> dict[str, Any]:
     """What ``train.preflight`` asks Slurm for, by the functions its operator calls."""
-    from operators.campaign.dag.preflight import bridge_preflight_job, reference_preflight_job
+    from operators.campaign.dag import preflight
     from operators.campaign.render.layout import Layout
-    from operators.campaign.render.paths import RunPaths
+    from operators.campaign.render.paths import RunInputs
 
-    layout = Layout(RunPaths.for_campaign(campaign))
-    if campaign.model.reference is not None:
-        return reference_preflight_job(campaign, layout, _DATA_PATH, [])["job"]
-    paths = RunPaths.for_campaign(campaign, data_prefixes=_DATA_PATH,
-                                  tokenizer_dir=layout.tokenizer)
-    return bridge_preflight_job(campaign, paths, [])["job"]
+    layout = Layout.for_campaign(campaign)
+    return dict(preflight.preflight_request(campaign, layout,
+                                            RunInputs.stand_in(campaign, layout), []).job)
 
 
 def plan_lines(campaign: Campaign, dag) -> list[str]:

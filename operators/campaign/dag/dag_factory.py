@@ -25,7 +25,6 @@ from operators.campaign.dag.segment import TrainingSegmentOperator
 from operators.campaign.dag.stage_operator import CampaignStageOperator
 from operators.campaign.render import stages
 from operators.campaign.render.layout import RESULT_FILE, Layout
-from operators.campaign.render.paths import RunPaths
 from operators.campaign.render.summary import summary
 from operators.campaign.schema.naming import dag_id
 from operators.slurm.operator import SlurmJobOperator, as_data
@@ -207,7 +206,7 @@ def _tracking_tags(campaign: Campaign) -> list[str]:
 
 
 def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: bool = True) -> DAG:
-    layout = Layout(RunPaths.for_campaign(campaign))
+    layout = Layout.for_campaign(campaign)
     r = campaign.retries
     doc = summary(campaign) + (f"\n\nDefined in `{source.name}`." if source else "")
     with DAG(

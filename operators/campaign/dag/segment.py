@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from jobscripts.job_files import SEGMENT_RESULT
-from operators.campaign.adapters.code_ship import ShipsCode, with_pythonpath
+from operators.campaign.adapters.code_ship import ShipsCode, with_code
 from operators.campaign.adapters.remote import (
     append_history,
     missing_files,
@@ -25,7 +25,7 @@ from operators.campaign.adapters.remote import (
     write_file,
 )
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.paths import RunInputs, data_path
 from operators.campaign.render.plan import SegmentNoProgress, check_progress
 from operators.slurm.operator import SlurmJobOperator
 from operators.slurm.states import Outcome
@@ -35,9 +35,22 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from operators.campaign.schema.config import Campaign
+    from operators.slurm.errors import SlurmJobFailed
     from operators.slurm.hook import SlurmHook
+    from operators.slurm.messages import JobRequest, JobSummary
 
 XCOM_START = "segment_start_iteration"
+
+
+def segment_request(campaign: Campaign, layout: Layout, inputs: RunInputs,
+                    history: list[dict], train_iters: int | None) -> JobRequest:
+    """The segment's job, by the campaign's path: the reference trainer or Megatron Bridge
+    (the two renderers take the same arguments)."""
+    if campaign.model.reference is not None:
+        from operators.campaign.render.reference import reference_segment as render
+    else:
+        from operators.campaign.render.bridge import bridge_segment as render
+    return render(campaign, layout, inputs, history, train_iters)
 
 
 def pin_manifest(hook: SlurmHook, layout: Layout) -> dict | None:
@@ -63,25 +76,30 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
 
     def __init__(self, *, campaign: Campaign, segment: int, **kwargs: Any) -> None:
         super().__init__(
-            ssh_conn_id=campaign.cluster.ssh_conn_id, command="true", segment=segment,
+            ssh_conn_id=campaign.cluster.ssh_conn_id, segment=segment,
             # A job that hit its time limit after saving made progress: that is success.
             success_outcomes=(Outcome.SUCCESS.value, Outcome.TIME_LIMIT.value),
             result_file=SEGMENT_RESULT, **kwargs)
         self.campaign = campaign
-        self._code_dir: str | None = None  # set by execute: where the shipped code is
+        # What the job is depends on the cluster (manifest, history, shipped code): checked
+        # here as the first segment would render it, with stand-ins for those.
+        layout = self._layout()
+        self.check_request(self.render_segment(RunInputs.stand_in(campaign, layout), [], None))
 
     def _layout(self) -> Layout:
-        return Layout(RunPaths.for_campaign(self.campaign))
+        return Layout.for_campaign(self.campaign)
 
-    def _data_path(self, layout: Layout, manifest: dict | None) -> list[str]:
+    def render_segment(self, inputs: RunInputs, history: list[dict],
+                       train_iters: int | None) -> JobRequest:
+        """This segment's job for ``inputs`` after ``history`` (earlier segment.json's)."""
+        return segment_request(self.campaign, self._layout(), inputs, history, train_iters)
+
+    def _inputs(self, layout: Layout, manifest: dict | None) -> RunInputs:
+        """The data stage's prefixes (from the pinned manifest), its tokenizer's directory."""
         from jobscripts import manifest as manifests
 
-        data = self.campaign.data
-        if manifest is not None:
-            return manifests.data_prefixes(manifest, layout.tokens)
-        if data.prefixes:
-            return list(data.prefixes)
-        return [x for item in data.blend for x in (str(item.weight), item.prefix)]
+        prefixes = manifests.data_prefixes(manifest, layout.tokens) if manifest else None
+        return RunInputs.of(prefixes, layout.tokenizer)
 
     def _require_data(self, data_path: list[str], origin: str | None) -> None:
         """Fail before any sbatch when a prefix to train on lacks its .bin/.idx on the
@@ -106,7 +124,9 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
                     f"{fields[p]} {p}: no " + " or ".join(
                         f for f in (p + ".bin", p + ".idx") if f in absent) for p in missing))
 
-    def execute(self, context: Context) -> Any:
+    def prepare_job(self, context: Context) -> JobRequest:
+        from dataclasses import replace
+
         params = context["params"]
         allowed = int(params.get("segments_per_run") or self.campaign.segments.max_per_run)
         if self.segment > allowed:
@@ -123,51 +143,32 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
         except ValueError as exc:  # ManifestError: retrying cannot make the data match
             raise AirflowFailException(str(exc)) from exc
         history = read_history(self.hook, layout)
-        data_path = self._data_path(layout, manifest)
-        self._require_data(data_path, "the dataset manifest" if manifest is not None else None)
-        self._code_dir = self.ship_code()  # the DAG's own jobscripts, on PYTHONPATH
-        self._render_segment(layout, data_path, history, train_iters)
-        self.environment = with_pythonpath(self.environment, self._code_dir)
+        inputs = self._inputs(layout, manifest)
+        self._require_data(data_path(self.campaign, inputs),
+                           "the dataset manifest" if manifest is not None else None)
+        code_dir = self.ship_code()  # the DAG's own jobscripts, on PYTHONPATH
+        inputs = replace(inputs, code_dir=code_dir)
+        request = with_code(self.render_segment(inputs, history, train_iters), code_dir)
         context["ti"].xcom_push(key=XCOM_START, value=before)
         self.log.info("segment %s resumes at iteration %s of %s", self.segment, before,
                       train_iters)
         if params.get("dry_run"):
             run_dir = self.hook.run_dir(self.job_key(context))
-            self.hook.upload(run_dir, self.files)
+            self.hook.upload(run_dir, dict(request.files))
             raise AirflowSkipException(f"dry run: configs rendered and uploaded to {run_dir}")
-        return super().execute(context)
+        return request
 
-    def _render_segment(self, layout: Layout, data_path: list[str], history: list[dict],
-                train_iters: int) -> None:
-        if self.campaign.model.reference is not None:
-            from operators.campaign.render.reference import reference_segment
-
-            kwargs = reference_segment(self.campaign, layout, data_path, history, train_iters)
-        else:
-            from operators.campaign.render.bridge import bridge_segment
-
-            # A blend's data path interleaves weights with prefixes: the YAML renders it
-            # from the campaign itself, run paths hold prefixes only.
-            prefixes = None if self.campaign.data.blend is not None else data_path
-            paths = RunPaths.for_campaign(self.campaign, data_prefixes=prefixes,
-                                          tokenizer_dir=layout.tokenizer,
-                                          code_dir=self._code_dir)
-            kwargs = bridge_segment(self.campaign, paths, history, train_iters)
-        self.command, self.job = kwargs["command"], kwargs["job"]
-        self.environment, self.files = kwargs["environment"], kwargs["files"]
-
-    def _track(self, context: Context, layout: Layout, summary: dict[str, Any]) -> None:
+    def _track(self, context: Context, layout: Layout, summary: JobSummary) -> None:
         """MLflow gets the segment; a tracking failure must not fail the training."""
         from operators.campaign.adapters.tracking import track_segment
 
         try:
             track_segment(self.campaign, self.hook, layout, context, summary,
-                          self._rendered_files(context))
+                          self._rendered_files(summary.run_dir))
         except Exception:  # noqa: BLE001 - logged, the spool keeps what it can
             self.log.exception("tracking segment %s in MLflow failed", self.segment)
 
-    def _rendered_files(self, context: Context) -> dict[str, str]:
-        run_dir = context["ti"].xcom_pull(task_ids=self.task_id, key="slurm_job")["run_dir"]
+    def _rendered_files(self, run_dir: str) -> dict[str, str]:
         from operators.campaign.render import bridge, reference
         from operators.slurm.hook import SCRIPT_NAME  # paramiko: not at DAG parse
 
@@ -175,11 +176,13 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
         found = {n: self.hook.read_bytes(f"{run_dir}/{n}").decode() for n in names}
         return {n: text for n, text in found.items() if text}
 
-    def _complete(self, context: Context, event: dict[str, Any]) -> Any:
-        summary = super()._complete(context, event)  # raises unless success or time limit
+    def on_job_end(self, context: Context, summary: JobSummary,
+                   failure: SlurmJobFailed | None) -> None:
+        if failure is not None:  # neither success nor time limit: the task fails, may retry
+            return
         layout = self._layout()
         before = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_START) or 0
-        result = summary.get("result") or {}
+        result = summary.result or {}
         # Progress is what the checkpoint tracker names now: the last iteration saved, not the
         # last one trained (a crash between saves trained steps that are lost), and not a
         # segment.json that may be missing or stale.
@@ -187,9 +190,9 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
         if result.get("end_iteration") not in (None, after):
             self.log.warning("segment.json says iteration %s, the checkpoint tracker %s: "
                              "counting the tracker's", result.get("end_iteration"), after)
-        append_history(self.hook, layout, {**result, "slurm": summary["record"],
-                                            "run_dir": summary["run_dir"],
-                                            "log_path": summary["log_path"],
+        append_history(self.hook, layout, {**result, "slurm": summary.record.to_json(),
+                                            "run_dir": summary.run_dir,
+                                            "log_path": summary.log_path,
                                             "run_id": context["ti"].run_id,
                                             "task_id": self.task_id})
         self._track(context, layout, summary)
@@ -199,4 +202,3 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
             raise AirflowFailException(str(exc)) from exc
         self.log.info("segment %s trained iterations %s -> %s (+%s), stopped: %s",
                       self.segment, before, after, advanced, result.get("stop_reason"))
-        return summary

@@ -25,10 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from operators.campaign.adapters.code_ship import CampaignJobOperator
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunPaths
-from operators.slurm.errors import SlurmJobFailed
-from operators.slurm.operator import XCOM_JOB, SlurmJobOperator
-from operators.slurm.trigger import success_summary
+from operators.slurm.operator import SlurmJobOperator
 from operators.tracking.artifacts import CONFIGS, DATA, EVAL, REPORTS
 from operators.tracking.links import MlflowRunLink
 
@@ -36,7 +33,9 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from operators.campaign.schema.config import Campaign
+    from operators.slurm.errors import SlurmJobFailed
     from operators.slurm.hook import SlurmHook
+    from operators.slurm.messages import JobSummary
 
 RESULTS = "results"  # the result JSON of a stage that is neither a gate nor an evaluation
 # Only the pages and their styles: GX's fonts and images are 4 MB of every Data Docs site.
@@ -105,37 +104,17 @@ class CampaignStageOperator(CampaignJobOperator):
         super().__init__(campaign=campaign, **kwargs)
         self.stage = stage
 
-    def _complete(self, context: Context, event: dict[str, Any]) -> Any:
-        try:
-            summary = super()._complete(context, event)
-        except SlurmJobFailed:
-            self._track(context, event, None)
-            raise
-        self._track(context, event, summary)
-        return summary
-
-    def _failed_summary(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
-        """What the success summary would hold, for a job that failed: a failed step still
-        writes its result JSON (jobscripts/common.py), e.g. every check of a failed gate."""
-        ti = context["ti"]
-        info = ti.xcom_pull(task_ids=self.task_id, key=XCOM_JOB, map_indexes=ti.map_index) or {}
-        result = event.get("result")  # the trigger hands over a small one
-        if "result" not in event and self.result_file and info.get("run_dir"):
-            result = self.hook.read_json(posixpath.join(info["run_dir"], self.result_file))
-        return success_summary(event, info.get("run_dir"), info.get("log_path"), result)
-
-    def _track(self, context: Context, event: dict[str, Any],
-               summary: dict[str, Any] | None) -> None:
-        """MLflow gets the stage (``summary`` None: its job failed); a tracking failure must
-        not change the stage's outcome."""
+    def on_job_end(self, context: Context, summary: JobSummary,
+                   failure: SlurmJobFailed | None) -> None:
+        """MLflow gets the stage, FAILED when its job failed (a failed step still writes its
+        result JSON, jobscripts/common.py: e.g. every check of a failed gate); a tracking
+        failure must not change the stage's outcome."""
         from operators.campaign.adapters.tracking import track_stage
 
         try:
-            status = "FINISHED" if summary is not None else "FAILED"
-            summary = summary or self._failed_summary(context, event)
-            layout = Layout(RunPaths.for_campaign(self.campaign))
-            files = stage_files(self.hook, layout, self.stage, summary.get("result"))
+            layout = Layout.for_campaign(self.campaign)
+            files = stage_files(self.hook, layout, self.stage, summary.result)
             track_stage(self.campaign, self.hook, layout, context, self.stage, summary, files,
-                        status)
+                        "FAILED" if failure is not None else "FINISHED")
         except Exception:  # noqa: BLE001 - logged; the stage's own outcome stands
             self.log.exception("tracking stage %s in MLflow failed", self.stage)

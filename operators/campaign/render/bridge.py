@@ -24,7 +24,8 @@ import yaml
 
 from jobscripts.bridge_result import JOB_START_ENV
 from jobscripts.job_files import SEGMENT_RESULT
-from operators.campaign.render.paths import RunPaths
+from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunInputs
 from operators.campaign.render.placement import container_argv, export_lines, setup_lines
 from operators.campaign.render.plan import (
     checkpoint_interval,
@@ -32,6 +33,7 @@ from operators.campaign.render.plan import (
     segment_exit_minutes,
     segment_job_options,
 )
+from operators.slurm.messages import JobRequest
 
 if TYPE_CHECKING:
     from operators.campaign.schema.config import Campaign
@@ -66,30 +68,31 @@ def blend_data_path(blend) -> list[str]:
     return [item for b in blend for item in (repr(float(b.weight)), b.prefix)]
 
 
-def _data_path(campaign: Campaign, paths: RunPaths) -> list[str]:
+def _data_path(campaign: Campaign, inputs: RunInputs) -> list[str]:
     """Megatron's ``--data-path`` list: prefixes, or weight, prefix, weight, prefix, ..."""
     data = campaign.data
     if data.blend is not None:
         return blend_data_path(data.blend)
     if data.prefixes is not None:
         return list(data.prefixes)
-    if not paths.data_prefixes:
+    if not inputs.data_prefixes:
         raise ValueError("data comes from the data stage's manifest: pass "
-                         "RunPaths(data_prefixes=...) read from it")
-    return list(paths.data_prefixes)
+                         "RunInputs(data_prefixes=...) read from it")
+    return list(inputs.data_prefixes)
 
 
-def _tokenizer_dir(campaign: Campaign, paths: RunPaths) -> str:
+def _tokenizer_dir(campaign: Campaign, inputs: RunInputs) -> str:
     if campaign.data.tokenizer.path is not None:
         return campaign.data.tokenizer.path
-    if paths.tokenizer_dir is None:
-        raise ValueError("data.tokenizer.train: pass RunPaths(tokenizer_dir=...), where the "
+    if inputs.tokenizer_dir is None:
+        raise ValueError("data.tokenizer.train: pass RunInputs(tokenizer_dir=...), where the "
                          "data stage saved the trained tokenizer")
-    return paths.tokenizer_dir
+    return inputs.tokenizer_dir
 
 
-def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins: int,
-                     train_iters: int | None = None, earlier_results=()) -> dict:
+def bridge_overrides(campaign: Campaign, layout: Layout, inputs: RunInputs,
+                     exit_duration_in_mins: int, train_iters: int | None = None,
+                     earlier_results=()) -> dict:
     """The override tree, section by section, in Bridge's ConfigContainer field names.
     ``train_iters``: the trigger form's, else the campaign's."""
     if campaign.model.recipe is None:
@@ -115,9 +118,9 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
     if t.lr_wsd_decay_iters is not None:
         scheduler["lr_wsd_decay_iters"] = t.lr_wsd_decay_iters
     return {
-        "dataset": {"data_path": _data_path(campaign, paths), "split": campaign.data.split,
+        "dataset": {"data_path": _data_path(campaign, inputs), "split": campaign.data.split,
                     "sequence_length": t.seq_length, "random_seed": t.seed,
-                    "path_to_cache": paths.data_cache_dir},
+                    "path_to_cache": layout.data_cache_dir},
         "train": train,
         "validation": {"eval_interval": v.eval_interval, "eval_iters": v.eval_iters},
         "optimizer": {"lr": t.lr, "min_lr": t.min_lr, "weight_decay": t.weight_decay,
@@ -126,7 +129,7 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
         # The resume contract: one directory per campaign, saves in sync (segment.json times
         # them; exit_duration assumes it), format and optimizer layout pinned, not inherited
         # from whatever recipe version the container has.
-        "checkpoint": {"save": paths.checkpoint_dir, "load": paths.checkpoint_dir,
+        "checkpoint": {"save": layout.checkpoint_dir, "load": layout.checkpoint_dir,
                        "save_interval": checkpoint_interval(campaign, earlier_results).iterations,
                        "ckpt_format": "torch_dist",
                        "async_save": False,
@@ -141,18 +144,19 @@ def bridge_overrides(campaign: Campaign, paths: RunPaths, exit_duration_in_mins:
                   "sequence_parallel": t.tensor_parallel_size > 1,
                   **_RECOMPUTE[t.recompute]},
         "tokenizer": {"tokenizer_type": "HuggingFaceTokenizer",
-                      "tokenizer_model": _tokenizer_dir(campaign, paths),
+                      "tokenizer_model": _tokenizer_dir(campaign, inputs),
                       "vocab_size": None},  # the recipe's NullTokenizer size, unused now
         "logger": {"log_interval": campaign.logging.log_interval,
-                   "tensorboard_dir": paths.tensorboard_dir},
+                   "tensorboard_dir": layout.tensorboard_dir},
         "rng": {"seed": t.seed},
         "mixed_precision": MIXED_PRECISION[t.precision],
     }
 
 
-def render_bridge_yaml(campaign: Campaign, run_paths: RunPaths, exit_duration_in_mins: int,
-                       train_iters: int | None = None, earlier_results=()) -> str:
-    tree = bridge_overrides(campaign, run_paths, exit_duration_in_mins, train_iters,
+def render_bridge_yaml(campaign: Campaign, layout: Layout, inputs: RunInputs,
+                       exit_duration_in_mins: int, train_iters: int | None = None,
+                       earlier_results=()) -> str:
+    tree = bridge_overrides(campaign, layout, inputs, exit_duration_in_mins, train_iters,
                             earlier_results)
     header = (f"# Megatron Bridge overrides for campaign {campaign.name}, recipe "
               f"{campaign.model.recipe} ({campaign.model.recipe_function}).\n"
@@ -161,7 +165,7 @@ def render_bridge_yaml(campaign: Campaign, run_paths: RunPaths, exit_duration_in
     return header + yaml.safe_dump(tree, sort_keys=False, default_flow_style=False, width=100)
 
 
-def _inner_command(campaign: Campaign, paths: RunPaths, master_port: int, config_file: str,
+def _inner_command(campaign: Campaign, inputs: RunInputs, master_port: int, config_file: str,
                    segment_result: str) -> str:
     """What runs inside the container on each node. SLURM_NODEID and friends differ per
     node, so they are expanded there, by this inner shell, not by the batch script."""
@@ -182,15 +186,15 @@ def _inner_command(campaign: Campaign, paths: RunPaths, master_port: int, config
     environment = {key: value for key, value in BASE_ENVIRONMENT.items()
                    if key not in campaign.cluster.environment}
     lines = export_lines({**environment, **container.environment})
-    if paths.code_dir is not None:
+    if inputs.code_dir is not None:
         # Set in here: the image's own PYTHONPATH would win over one passed from the host.
-        code = shlex.quote(paths.code_dir)
+        code = shlex.quote(inputs.code_dir)
         lines.append(f"export PYTHONPATH={code}${{PYTHONPATH:+:$PYTHONPATH}}")
     lines.append("exec " + " ".join(torchrun))
     return "; ".join(lines)
 
 
-def bridge_job(campaign: Campaign, run_paths: RunPaths, *, master_port: int = MASTER_PORT,
+def bridge_job(campaign: Campaign, inputs: RunInputs, *, master_port: int = MASTER_PORT,
                config_file: str = CONFIG_FILE,
                segment_result: str = SEGMENT_RESULT) -> tuple[dict, str, dict]:
     """``(job options, command, environment)`` for ``SlurmJobOperator`` / ``build_spec``.
@@ -211,7 +215,7 @@ def bridge_job(campaign: Campaign, run_paths: RunPaths, *, master_port: int = MA
                 if getattr(c, name) is not None})
     container = container_argv(c.container.image, c.container.binds, c.container.entrypoint,
                                verb="run")
-    inner = _inner_command(campaign, run_paths, master_port, config_file, segment_result)
+    inner = _inner_command(campaign, inputs, master_port, config_file, segment_result)
     srun = ["srun", "--mpi=pmi2", "--ntasks-per-node=1",
             # --kill-on-bad-exit: one node's crash ends the step instead of hanging the others.
             "--kill-on-bad-exit=1"]
@@ -233,15 +237,15 @@ def bridge_job(campaign: Campaign, run_paths: RunPaths, *, master_port: int = MA
     return job, command, dict(c.environment)
 
 
-def bridge_segment(campaign: Campaign, run_paths: RunPaths, earlier_results=(),
-                   train_iters: int | None = None) -> dict:
-    """Keyword arguments for one segment's ``SlurmJobOperator``: job, command, environment
-    and the rendered YAML as an uploaded file. ``earlier_results``: earlier segment.json
-    payloads, whose measured start-up and save times set this segment's training budget;
-    ``train_iters``: the trigger form's, else the campaign's."""
+def bridge_segment(campaign: Campaign, layout: Layout, inputs: RunInputs, earlier_results=(),
+                   train_iters: int | None = None) -> JobRequest:
+    """One segment's job: job options, command, environment and the rendered YAML as an
+    uploaded file. ``earlier_results``: earlier segment.json payloads, whose measured start-up
+    and save times set this segment's training budget; ``train_iters``: the trigger form's,
+    else the campaign's. (reference.py's ``reference_segment`` takes the same arguments.)"""
     minutes = segment_exit_minutes(campaign, earlier_results)
-    job, command, environment = bridge_job(campaign, run_paths)
-    yaml_text = render_bridge_yaml(campaign, run_paths, minutes, train_iters, earlier_results)
-    return {"job": job, "command": command, "environment": environment,
-            "files": {CONFIG_FILE: yaml_text},
-            "result_file": SEGMENT_RESULT}
+    job, command, environment = bridge_job(campaign, inputs)
+    yaml_text = render_bridge_yaml(campaign, layout, inputs, minutes, train_iters,
+                                   earlier_results)
+    return JobRequest(command=command, job=job, environment=environment,
+                      files={CONFIG_FILE: yaml_text}, result_file=SEGMENT_RESULT)

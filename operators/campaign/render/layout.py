@@ -1,5 +1,6 @@
 """The campaign directory: where each stage of a campaign reads and writes on the cluster. The
-one place that says (docs/contracts.md); RunPaths (paths.py) takes its roots from here.
+one place that says (docs/contracts.md). What a run learns only when it runs (the data
+stage's prefixes, the trained tokenizer, the shipped code) is paths.py's ``RunInputs``.
 
     <remote_root>/<name>/          the campaign directory (else checkpoint.dir's parent)
 
@@ -22,17 +23,18 @@ one place that says (docs/contracts.md); RunPaths (paths.py) takes its roots fro
 from __future__ import annotations
 
 import posixpath
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jobscripts.job_files import MANIFEST_FILE, RESULT_FILE, TRACKER_FILENAME
+from operators.campaign.schema.fields import checked_path
 
-if TYPE_CHECKING:  # paths.py imports this module for the directory names
-    from operators.campaign.render.paths import RunPaths
+if TYPE_CHECKING:
     from operators.campaign.schema.config import Campaign
 
 # RESULT_FILE is re-exported: stage code names it beside the layout it writes into.
 __all__ = ["CHECKPOINTS", "DATA", "DATA_CACHE", "RESULT_FILE", "TENSORBOARD", "Layout",
-           "campaign_dir", "checkpoint_dir", "manifest_path"]
+           "campaign_dir", "checkpoint_dir"]
 
 # Directory names under the campaign directory.
 DATA = "data"
@@ -54,28 +56,50 @@ def checkpoint_dir(campaign: Campaign) -> str:
     return campaign.checkpoint.dir or posixpath.join(campaign_dir(campaign), CHECKPOINTS)
 
 
-def manifest_path(data_dir: str) -> str:
-    return posixpath.join(data_dir, MANIFEST_FILE)
+class _Under:
+    """A path of the layout: ``parts`` joined under another of its paths, ``base``."""
+
+    def __init__(self, base: str, *parts: str) -> None:
+        self.base, self.parts = base, parts
+
+    def __get__(self, layout: Layout | None, owner: type) -> str:
+        if layout is None:  # on the class: the descriptor itself has no path
+            raise AttributeError("a Layout path is read from a Layout")
+        return posixpath.join(getattr(layout, self.base), *self.parts)
 
 
+@dataclass(frozen=True)
 class Layout:
-    def __init__(self, paths: RunPaths) -> None:
-        self.paths = paths
-        d = paths.data_dir
-        self.corpus = posixpath.join(d, "corpus")
-        self.ingest = posixpath.join(d, "ingest")
-        self.jsonl = posixpath.join(self.ingest, "jsonl")
-        self.raw_gate = posixpath.join(d, "raw_gate")
-        self.tokenizer = posixpath.join(d, "tokenizer")
-        self.tokens = d
-        self.manifest = paths.manifest
-        self.token_gate = posixpath.join(d, "token_gate")
-        c = paths.campaign_dir
-        self.checkpoints = paths.checkpoint_dir
-        self.tracker = posixpath.join(self.checkpoints, TRACKER_FILENAME)
-        self.pinned_manifest = posixpath.join(c, "pinned_manifest.json")
-        self.mlflow_run_id = posixpath.join(c, "mlflow_run_id")
-        self.segments_log = posixpath.join(c, "segments.jsonl")
-        self.export = posixpath.join(c, "export")
-        self.hf_export = posixpath.join(self.export, "hf")
-        self.completed = posixpath.join(c, "completed.json")
+    """A campaign's directories and files on the cluster, from its two roots."""
+
+    campaign_dir: str
+    checkpoint_dir: str
+
+    def __post_init__(self) -> None:
+        # These reach YAML and shell lines; the schema's rules apply to them too.
+        checked_path("layout.campaign_dir", self.campaign_dir)
+        checked_path("layout.checkpoint_dir", self.checkpoint_dir)
+
+    @classmethod
+    def for_campaign(cls, campaign: Campaign) -> Layout:
+        return cls(campaign_dir(campaign), checkpoint_dir(campaign))
+
+    data_dir = _Under("campaign_dir", DATA)
+    corpus = _Under("data_dir", "corpus")
+    ingest = _Under("data_dir", "ingest")
+    jsonl = _Under("ingest", "jsonl")
+    raw_gate = _Under("data_dir", "raw_gate")
+    tokenizer = _Under("data_dir", "tokenizer")
+    tokens = _Under("data_dir")  # the Megatron .bin/.idx files sit in the data dir itself
+    manifest = _Under("data_dir", MANIFEST_FILE)
+    token_gate = _Under("data_dir", "token_gate")
+    checkpoints = _Under("checkpoint_dir")
+    tracker = _Under("checkpoint_dir", TRACKER_FILENAME)
+    pinned_manifest = _Under("campaign_dir", "pinned_manifest.json")
+    mlflow_run_id = _Under("campaign_dir", "mlflow_run_id")
+    segments_log = _Under("campaign_dir", "segments.jsonl")
+    export = _Under("campaign_dir", "export")
+    hf_export = _Under("export", "hf")
+    completed = _Under("campaign_dir", "completed.json")
+    tensorboard_dir = _Under("campaign_dir", TENSORBOARD)
+    data_cache_dir = _Under("campaign_dir", DATA_CACHE)

@@ -1,5 +1,6 @@
-"""The roots a training run needs on the cluster (the campaign and checkpoint directories, as
-layout.py defines them) and its runtime inputs (data prefixes, tokenizer dir, code dir).
+"""A training run's runtime inputs: what is known only once the task runs (the data stage's
+prefixes, the trained tokenizer's directory, the shipped code), beside the campaign's
+directories (layout.py's ``Layout``).
 
 Each Slurm job also has its own run directory (``SlurmHook.run_dir(key)``, the job's
 working directory) holding its script, rendered config and ``segment.json``: those are
@@ -8,31 +9,32 @@ named relative to it, so nothing here depends on the job key.
 
 from __future__ import annotations
 
-import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from operators.campaign.render import layout
 from operators.campaign.schema.fields import checked_path
 
 if TYPE_CHECKING:
+    from operators.campaign.render.layout import Layout
     from operators.campaign.schema.config import Campaign
+
+# Where the data stage will put the dataset, for rendering a job before it ran (DAG parse,
+# `pretrain-pipeline check`): no job option depends on it.
+STAND_IN_PREFIX = "/dataset-known-when-run_text_document"
 
 
 @dataclass(frozen=True)
-class RunPaths:
-    campaign_dir: str
-    checkpoint_dir: str
-    # Known only once the data stage has run (from its manifest): the Megatron prefixes and
-    # the trained tokenizer's directory. None where the campaign names them itself.
+class RunInputs:
+    # From the data stage's manifest: the Megatron prefixes; None where the campaign names
+    # its data itself (data.prefixes or data.blend: the renderers read those).
     data_prefixes: tuple[str, ...] | None = None
-    tokenizer_dir: str | None = None
-    code_dir: str | None = None  # a checkout holding jobscripts/, put on PYTHONPATH
+    tokenizer_dir: str | None = None  # the trained tokenizer; None: data.tokenizer.path
+    code_dir: str | None = None  # a directory holding jobscripts/, put on PYTHONPATH
 
     def __post_init__(self) -> None:
-        # These reach YAML and shell lines; the schema's rules apply to them too.
-        checked_path("run_paths.campaign_dir", self.campaign_dir)
-        checked_path("run_paths.checkpoint_dir", self.checkpoint_dir)
+        # These reach YAML and shell lines; the schema's rules apply to them too. (The field
+        # names are "run_paths.": what campaign authors' tooling has matched on.)
         for i, prefix in enumerate(self.data_prefixes or ()):
             checked_path(f"run_paths.data_prefixes[{i}]", prefix)
         for name in ("tokenizer_dir", "code_dir"):
@@ -40,26 +42,27 @@ class RunPaths:
                 checked_path(f"run_paths.{name}", getattr(self, name))
 
     @classmethod
-    def for_campaign(cls, campaign: Campaign, *, data_prefixes=None,
-                     tokenizer_dir: str | None = None, code_dir: str | None = None) -> RunPaths:
-        return cls(
-            campaign_dir=layout.campaign_dir(campaign),
-            checkpoint_dir=layout.checkpoint_dir(campaign),
-            data_prefixes=tuple(data_prefixes) if data_prefixes is not None else None,
-            tokenizer_dir=tokenizer_dir, code_dir=code_dir)
+    def of(cls, data_prefixes: Iterable[str] | None = None, tokenizer_dir: str | None = None,
+           code_dir: str | None = None) -> RunInputs:
+        return cls(tuple(data_prefixes) if data_prefixes is not None else None,
+                   tokenizer_dir, code_dir)
 
-    @property
-    def data_dir(self) -> str:
-        return posixpath.join(self.campaign_dir, layout.DATA)
+    @classmethod
+    def stand_in(cls, campaign: Campaign, layout: Layout) -> RunInputs:
+        """The inputs a job is rendered with before its run: the tokenizer where the data
+        stage saves it, :data:`STAND_IN_PREFIX` where the manifest will name the data."""
+        data = campaign.data
+        own = data.prefixes or data.blend is not None
+        return cls(None if own else (STAND_IN_PREFIX,), layout.tokenizer)
 
-    @property
-    def manifest(self) -> str:
-        return layout.manifest_path(self.data_dir)
 
-    @property
-    def tensorboard_dir(self) -> str:
-        return posixpath.join(self.campaign_dir, layout.TENSORBOARD)
-
-    @property
-    def data_cache_dir(self) -> str:
-        return posixpath.join(self.campaign_dir, layout.DATA_CACHE)
+def data_path(campaign: Campaign, inputs: RunInputs) -> list[str]:
+    """What the run trains on: the data stage's prefixes, else the campaign's own prefixes,
+    else its blend as weight, prefix, weight, prefix, ... (the reference trainer's data path;
+    the data check before a segment reads it too)."""
+    data = campaign.data
+    if inputs.data_prefixes is not None:
+        return list(inputs.data_prefixes)
+    if data.prefixes:
+        return list(data.prefixes)
+    return [x for item in data.blend or () for x in (str(item.weight), item.prefix)]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.render.layout import Layout
+from operators.campaign.render.paths import RunInputs, data_path
 from operators.campaign.render.placement import setup_lines
 from operators.campaign.render.plan import (
     checkpoint_interval,
@@ -21,6 +22,7 @@ from operators.campaign.render.plan import (
     segment_job_options,
 )
 from operators.campaign.render.stages import stage_job
+from operators.slurm.messages import JobRequest
 from operators.slurm.operator import python_module_command
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ def run_config(campaign: Campaign, layout: Layout, data_path: list[str], exit_mi
     v, ck = campaign.validation, campaign.checkpoint
     return {
         "data_path": data_path, "split": campaign.data.split,
-        "data_cache_path": layout.paths.data_cache_dir, "tokenizer_model": layout.tokenizer,
+        "data_cache_path": layout.data_cache_dir, "tokenizer_model": layout.tokenizer,
         "num_layers": m.num_layers, "hidden_size": m.hidden_size,
         "ffn_hidden_size": m.ffn_hidden_size, "num_attention_heads": m.num_attention_heads,
         "num_query_groups": m.num_key_value_heads, "seq_length": t.seq_length,
@@ -55,18 +57,17 @@ def run_config(campaign: Campaign, layout: Layout, data_path: list[str], exit_mi
     }
 
 
-def reference_segment(campaign: Campaign, layout: Layout, data_path: list[str], earlier_results=(),
-                      train_iters: int | None = None) -> dict:
-    """Keyword arguments for one segment's ``SlurmJobOperator``."""
+def reference_segment(campaign: Campaign, layout: Layout, inputs: RunInputs, earlier_results=(),
+                      train_iters: int | None = None) -> JobRequest:
+    """One segment's job (bridge.py's ``bridge_segment`` takes the same arguments)."""
     minutes = segment_exit_minutes(campaign, earlier_results)
-    config = run_config(campaign, layout, data_path, minutes, train_iters)
+    config = run_config(campaign, layout, data_path(campaign, inputs), minutes, train_iters)
     config["save_interval"] = checkpoint_interval(campaign, earlier_results).iterations
     job = {**stage_job(campaign), **segment_job_options(campaign, batch_shell=True)}
-    return {
+    return JobRequest(
         # exec: the trainer becomes the batch shell, so --signal=B:TERM reaches it.
-        "command": "\n".join([*setup_lines(campaign), "exec " + python_module_command(
+        command="\n".join([*setup_lines(campaign), "exec " + python_module_command(
             "jobscripts.reference_trainer", "--config", CONFIG_FILE)]),
-        "job": job, "environment": dict(campaign.cluster.environment),
-        "files": {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)},
-        "result_file": SEGMENT_RESULT,
-    }
+        job=job, environment=dict(campaign.cluster.environment),
+        files={CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)},
+        result_file=SEGMENT_RESULT)

@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# A real single-node Slurm 22.05 cluster (munge, MariaDB, slurmdbd, slurmctld, slurmd) plus a
-# key-only sshd on 127.0.0.1, so the DAGs can be run against a real scheduler on one machine.
+# A real multi-node Slurm 22.05 cluster on one machine (munge, MariaDB, slurmdbd, slurmctld, and
+# one slurmd per compute node) plus a key-only sshd on 127.0.0.1, so the DAGs can be run against
+# a real scheduler, with real node failures and multi-node jobs, on one machine.
 #
 #   local_cluster.sh up | down | status | env | sync-env        (as root)
+#   PP_CLUSTER_NODES=N (default 3) compute nodes node1..nodeN
+#
+# Each compute node is a network namespace (/run/netns/nodeI, address $NET.1I, a veth to the bridge
+# $BRIDGE at $NET.1) plus a UTS namespace (its host name) and a mount namespace (its /etc/hosts);
+# the filesystem, PIDs and users stay shared, so jobs see the same files as the sshd and the Airflow
+# workers, which stay in the root namespace with slurmctld, slurmdbd, MariaDB and munge.
+# Needs CAP_SYS_ADMIN and CAP_NET_ADMIN.
 #
 # No systemd and no cgroups: every daemon runs in the foreground in its own session and the PID we
 # started is recorded under $STATE/pids, so `down` stops exactly what `up` started and nothing else.
 set -euo pipefail
+shopt -u patsub_replacement 2>/dev/null || true  # render: an & in a value stays an &
 
 STATE=${PP_CLUSTER_STATE:-/var/lib/pretrain-cluster}
 SSH_PORT=${PP_SSH_PORT:-2222}
@@ -20,14 +29,28 @@ USER_HOME=/home/$CLUSTER_USER
 REMOTE_WORK_DIR=$USER_HOME/pp-runs
 JOB_VENV=/opt/pretrain-pipeline/venv
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-NODE=$(hostname -s)
+# The controller's host name: slurmctld and slurmdbd check that SlurmctldHost/DbdHost name them.
+CTLD_HOST=$(hostname -s)
+NODES=${PP_CLUSTER_NODES:-3}
+[[ $NODES =~ ^[1-9]$ ]] || { echo "PP_CLUSTER_NODES must be 1-9, not '$NODES'" >&2; exit 2; }
+NET=${PP_CLUSTER_NET:-10.77.0}          # a private /24: the bridge is .1, nodeI is .1I
+[[ $NET =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "PP_CLUSTER_NET must be A.B.C, not '$NET'" >&2; exit 2; }
+BRIDGE=pp-br0
+BRIDGE_ADDR=$NET.1
+NODE_NAMES=()
+for ((i = 1; i <= NODES; i++)); do NODE_NAMES+=("node$i"); done
+# shellcheck disable=SC2034  # read by render through ${!name}
+NODELIST="node[1-$NODES]"
+((NODES > 1)) || NODELIST=node1
 DB_SOCKET=$STATE/mysqld/mysqld.sock
 HOST_KEY=$STATE/ssh/ssh_host_ed25519_key
 CLIENT_KEY=$STATE/id_ed25519
 # python3 is Debian's 3.11, the interpreter of the jobs' venv.
 PACKAGES=(slurm-wlm slurmdbd mariadb-server munge openssh-server python3)
-# Start order; `down` walks it backwards.
-DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd sshd)
+# Start order; `down` walks it backwards. slurmd-NODE is node NODE's slurmd (binary slurmd).
+DAEMONS=(munged mariadbd slurmdbd slurmctld)
+for n in "${NODE_NAMES[@]}"; do DAEMONS+=("slurmd-$n"); done
+DAEMONS+=(sshd)
 
 log() { printf '[local_cluster] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -36,11 +59,13 @@ die() { log "ERROR: $*"; exit 1; }
 
 # Prints the recorded PID if it is alive AND still runs the daemon's binary: a recycled PID that
 # now belongs to something else must never be reported as ours, let alone killed. (Debian's
-# /usr/sbin/slurm* are alternatives symlinks, hence readlink -f.)
+# /usr/sbin/slurm* are alternatives symlinks, hence readlink -f.) The binary of slurmd-node1 is
+# slurmd: the name up to the first '-'.
 running_pid() {
   local pid
   pid=$(cat "$STATE/pids/$1.pid" 2>/dev/null) || return 1
-  [[ $(readlink "/proc/$pid/exe" 2>/dev/null) == "$(readlink -f "/usr/sbin/$1")" ]] || return 1
+  [[ $(readlink "/proc/$pid/exe" 2>/dev/null) == "$(readlink -f "/usr/sbin/${1%%-*}")" ]] ||
+    return 1
   echo "$pid"
 }
 
@@ -61,8 +86,15 @@ start_daemon() {
   if pid=$(running_pid "$name"); then log "$name already running (pid $pid)"; return 0; fi
   # The subshell execs setsid, which execs the daemon in place: $! is the daemon's PID.
   (close_inherited_fds; exec setsid "$@") >>"$STATE/log/$name.log" 2>&1 </dev/null &
-  echo $! >"$STATE/pids/$name.pid"
-  log "$name started (pid $!)"
+  pid=$!
+  echo "$pid" >"$STATE/pids/$name.pid"
+  # Until the chain of execs (subshell, setsid, nsenter, ...) reaches the daemon, running_pid
+  # would take the PID for someone else's: wait for it, or for the PID to be gone.
+  for _ in $(seq 100); do
+    running_pid "$name" >/dev/null || [[ ! -e /proc/$pid ]] && break
+    sleep 0.05
+  done
+  log "$name started (pid $pid)"
 }
 
 stop_daemon() {
@@ -107,13 +139,15 @@ write_file() {
   fi
 }
 
-# Prints a template from docker/slurm/ with each @NAME@ replaced by the shell variable NAME.
+# Prints a template from docker/slurm/ with each @NAME@ replaced by the shell variable NAME
+# (NODE_LINES spans several lines, hence no sed).
 render() {
-  local args=() v out
-  for v in CLUSTER NODE STATE MEM_MB DB_PORT DB_PASS SSH_LISTEN SSH_PORT HOST_KEY CLUSTER_USER; do
-    args+=(-e "s|@$v@|${!v}|g")
+  local v out
+  out=$(<"$REPO_ROOT/docker/slurm/$1")
+  for v in CLUSTER CTLD_HOST BRIDGE_ADDR NODELIST NODE_LINES STATE MEM_MB DB_PORT DB_PASS \
+    SSH_LISTEN SSH_PORT HOST_KEY CLUSTER_USER; do
+    out=${out//@$v@/${!v}}
   done
-  out=$(sed "${args[@]}" "$REPO_ROOT/docker/slurm/$1")
   [[ ! $out =~ @[A-Z_]+@ ]] || die "unfilled placeholder ${BASH_REMATCH[0]} in $1"
   printf '%s\n' "$out"
 }
@@ -140,6 +174,8 @@ ensure_packages() {
 
 prepare_dirs() {
   install -d -m 755 "$STATE" "$STATE/pids" "$STATE/log" "$STATE/run" "$STATE/slurmd" /run/sshd
+  local n
+  for n in "${NODE_NAMES[@]}"; do install -d -m 755 "$STATE/slurmd/$n"; done
   install -d -m 700 "$STATE/ssh"
   install -d -o slurm -g slurm -m 700 "$STATE/slurmctld"
   install -d -o mysql -g mysql -m 755 "$STATE/mysqld"
@@ -157,6 +193,75 @@ ensure_user() {
   install -d -o "$CLUSTER_USER" -g "$CLUSTER_USER" -m 755 "$USER_HOME"
   install -d -o "$CLUSTER_USER" -g "$CLUSTER_USER" -m 700 "$USER_HOME/.ssh"
   install -d -o "$CLUSTER_USER" -g "$CLUSTER_USER" -m 755 "$REMOTE_WORK_DIR"
+}
+
+# --- the compute nodes' network ----------------------------------------------------------------
+
+node_addr() { echo "$NET.$((10 + $1))"; }
+
+# The bridge in the root namespace; slurmctld and slurmdbd listen on every address, its included,
+# and the nodes reach them (and the sshd's machine) through it.
+ensure_bridge() {
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge
+    log "bridge $BRIDGE created"
+  fi
+  ip -br addr show dev "$BRIDGE" | grep -q " $BRIDGE_ADDR/24" ||
+    ip addr add "$BRIDGE_ADDR/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+}
+
+# nodeI: a network namespace with lo and eth0 ($NET.1I), whose veth peer pp-vethI is on the bridge.
+ensure_node_net() {
+  local n=$1 i=$2 veth=pp-veth$2 addr
+  addr=$(node_addr "$i")
+  # Listed before it exists, so that `down` also removes what an interrupted `up` left.
+  grep -qx "$n" "$STATE/netns" 2>/dev/null || echo "$n" >>"$STATE/netns"
+  [[ -e /run/netns/$n ]] || { ip netns add "$n"; log "network namespace $n created"; }
+  ip -n "$n" link set lo up
+  if ! ip link show "$veth" >/dev/null 2>&1; then
+    ip -n "$n" link del eth0 2>/dev/null || true  # a half-made node of an interrupted `up`
+    ip link add "$veth" type veth peer name eth0 netns "$n"
+  fi
+  ip link set "$veth" master "$BRIDGE" up
+  ip -n "$n" -br addr show dev eth0 | grep -q " $addr/24" || ip -n "$n" addr add "$addr/24" dev eth0
+  ip -n "$n" link set eth0 up
+  ip -n "$n" route replace default via "$BRIDGE_ADDR"
+}
+
+# Node names resolve inside the nodes only (this file is bound over their /etc/hosts); the root
+# namespace keeps its own /etc/hosts, so tools there use the nodes' addresses.
+write_node_hosts() {
+  local n i=0
+  { echo "127.0.0.1 localhost"; echo "$BRIDGE_ADDR $CTLD_HOST"
+    for n in "${NODE_NAMES[@]}"; do i=$((i + 1)); echo "$(node_addr "$i") $n"; done
+  } | write_file "$STATE/hosts" 644 root:
+}
+
+# Every namespace and veth `up` made (listed in $STATE/netns), and the bridge. Only once no
+# slurmd of ours runs: a job's processes left in a namespace keep it alive as long as they live.
+remove_node_nets() {
+  local n
+  if [[ -f $STATE/netns ]]; then
+    while read -r n; do
+      [[ -n $n ]] || continue
+      ip netns del "$n" 2>/dev/null && log "network namespace $n removed"  # its veth goes with it
+    done <"$STATE/netns"
+    rm -f "$STATE/netns"
+  fi
+  ip link show "$BRIDGE" >/dev/null 2>&1 && ip link del "$BRIDGE" && log "bridge $BRIDGE removed"
+  return 0
+}
+
+# The node's slurmd: in its network namespace (nsenter), with its own host name (UTS) and
+# /etc/hosts (a mount namespace whose mounts stay its own: propagation slave). Not `ip netns
+# exec`: that remounts /sys, and slurmd cannot find /sys/fs/cgroup. Every step execs, so the
+# recorded PID is slurmd's.
+start_slurmd() {
+  local n=$1
+  start_daemon "slurmd-$n" nsenter --net="/run/netns/$n" unshare --uts --mount --propagation slave \
+    bash -c 'hostname "$1" && mount --bind "$2" /etc/hosts && exec "${@:3}"' node-init \
+    "$n" "$STATE/hosts" /usr/sbin/slurmd -D -N "$n"
 }
 
 # --- daemons, in start order --------------------------------------------------------------------
@@ -198,6 +303,12 @@ write_slurm_configs() {
   DB_PASS=$(cat "$STATE/db.pass")
   # shellcheck disable=SC2034
   MEM_MB=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)
+  local n i=0
+  # shellcheck disable=SC2034
+  NODE_LINES=$(for n in "${NODE_NAMES[@]}"; do
+    i=$((i + 1))
+    echo "NodeName=$n NodeHostName=$n NodeAddr=$(node_addr "$i") CPUs=32 RealMemory=$MEM_MB Gres=gpu:4 State=UNKNOWN"
+  done)
   install -d -m 755 /etc/slurm
   render slurmdbd.conf.in | write_file /etc/slurm/slurmdbd.conf 600 slurm: slurmdbd
   render slurm.conf.in | write_file /etc/slurm/slurm.conf 644 root: slurmctld
@@ -216,12 +327,13 @@ register_cluster() {
 
 ctld_up() { scontrol ping | grep -q 'is UP'; }
 
-# A node left DOWN or DRAINED by an unclean stop is resumed; ReturnToService covers most cases.
+# A node left DOWN or DRAINED by an unclean stop (or a test) is resumed; ReturnToService=1
+# covers a node that was only unreachable.
 node_ready() {
   local state
   # One line per partition the node is in (debug and gpu): the same state on each.
-  state=$(sinfo -h -N -n "$NODE" -o %t | sort -u)
-  [[ $state == *drain* || $state == down ]] && scontrol update nodename="$NODE" state=resume
+  state=$(sinfo -h -N -n "$1" -o %t | sort -u)
+  [[ $state == *drain* || $state == down ]] && scontrol update nodename="$1" state=resume
   # plnd: idle but reserved by the backfill planner for a pending job (a healthy node).
   [[ $state =~ ^(idle|mix|alloc|comp|plnd)$ ]]
 }
@@ -286,7 +398,7 @@ install_vllm() {
 # Built from a scratch copy: setuptools writes build/ and *.egg-info next to the sources, and the
 # package dirs may not all exist yet (others are writing them); placeholders never enter the repo.
 install_project() {
-  local scratch d
+  local scratch d sum
   scratch=$(mktemp -d)
   cp "$REPO_ROOT/pyproject.toml" "$scratch/"
   if [[ -f $REPO_ROOT/README.md ]]; then cp "$REPO_ROOT/README.md" "$scratch/"
@@ -299,11 +411,19 @@ install_project() {
       mkdir "$scratch/$d"
     fi
   done
+  # Stamped by the sources' content: on an unchanged tree `up` leaves the installed files (which
+  # running jobs may be importing) alone.
+  sum=$(cd "$scratch" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum |
+    sha256sum | cut -d' ' -f1)
+  if [[ $(cat "$JOB_VENV/.project.sha256" 2>/dev/null) == "$sum" ]]; then
+    rm -rf "$scratch"; return 0
+  fi
   # --no-build-isolation: the lock's setuptools builds it, so no index is needed (offline starts).
   uv pip install --quiet --python "$1" --no-deps --no-build-isolation \
     --reinstall-package pretrain-pipeline "$scratch" ||
     { rm -rf "$scratch"; die "installing the project into $JOB_VENV failed"; }
   rm -rf "$scratch"
+  echo "$sum" >"$JOB_VENV/.project.sha256"
   log "pretrain-pipeline installed into $JOB_VENV"
 }
 
@@ -314,6 +434,7 @@ cmd_up() {
   ensure_packages
   prepare_dirs
   ensure_user
+  ensure_bridge  # before slurmdbd: slurmctld and the Slurm commands reach it at the bridge address
   start_munge
   write_slurm_configs
   start_mariadb
@@ -321,11 +442,18 @@ cmd_up() {
   register_cluster
   start_daemon slurmctld /usr/sbin/slurmctld -D
   wait_for slurmctld 30 ctld_up
-  start_daemon slurmd /usr/sbin/slurmd -D
-  wait_for slurmd 60 node_ready
+  write_node_hosts
+  local n i=0
+  for n in "${NODE_NAMES[@]}"; do
+    i=$((i + 1))
+    ensure_node_net "$n" "$i"
+    start_slurmd "$n"
+  done
+  for n in "${NODE_NAMES[@]}"; do wait_for "slurmd-$n" 60 node_ready "$n"; done
   start_sshd
   write_airflow_env
-  log "cluster $CLUSTER up in $((SECONDS - t0))s (node $NODE, ssh $CLUSTER_USER@$SSH_HOST:$SSH_PORT)"
+  log "cluster $CLUSTER up in $((SECONDS - t0))s (nodes $NODELIST on $BRIDGE $BRIDGE_ADDR/24," \
+    "ssh $CLUSTER_USER@$SSH_HOST:$SSH_PORT)"
   cmd_sync_env
   log "done in $((SECONDS - t0))s; connection: $STATE/airflow.env"
 }
@@ -339,16 +467,28 @@ cmd_down() {
     squeue -h -o %A | xargs -r scancel || true
     for _ in $(seq 40); do [[ -z $(squeue -h -o %A) ]] && break; sleep 1; done
   fi
-  for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do stop_daemon "${DAEMONS[i]}"; done
+  # Every slurmd with a pid file of ours, whatever PP_CLUSTER_NODES says now (and `slurmd`, the
+  # single node of earlier versions of this script).
+  local f extra=()
+  for f in "$STATE"/pids/slurmd*.pid; do
+    [[ -e $f ]] || continue
+    f=$(basename "$f" .pid)
+    [[ " ${DAEMONS[*]} " == *" $f "* ]] || extra+=("$f")
+  done
+  for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
+    [[ ${DAEMONS[i]} == sshd ]] && for f in "${extra[@]}"; do stop_daemon "$f"; done
+    stop_daemon "${DAEMONS[i]}"
+  done
+  remove_node_nets
 }
 
 cmd_status() {
   local name pid rc=0
   for name in "${DAEMONS[@]}"; do
-    if pid=$(running_pid "$name"); then printf '%-10s running (pid %s)\n' "$name" "$pid"
-    else printf '%-10s DOWN\n' "$name"; rc=1; fi
+    if pid=$(running_pid "$name"); then printf '%-14s running (pid %s)\n' "$name" "$pid"
+    else printf '%-14s DOWN\n' "$name"; rc=1; fi
   done
-  running_pid slurmctld >/dev/null && sinfo
+  if running_pid slurmctld >/dev/null; then sinfo -N -o '%N %P %T %o'; fi
   return "$rc"
 }
 

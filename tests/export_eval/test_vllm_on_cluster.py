@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from operators.campaign.render import stages
 from operators.campaign.schema.load import campaign_from_dict
 from tests.export_eval.cluster_site import LOGPROBS_FILE, USER, run_stage
+from tests.support import cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -105,10 +105,10 @@ def test_the_openai_server_scores_the_same_and_leaves_nothing_behind(vllm_jobs, 
     assert server["port_closed"] is True and server["startup_seconds"] > 0
     assert result["tokens_evaluated"] == offline["tokens_evaluated"]
     assert result["nll_per_token"] == pytest.approx(offline["nll_per_token"], abs=1e-5)
-    # Checked from outside, after the job: nothing listens on its port, and no process of it
-    # (the server's pid, or any api_server on that port) is left.
-    with socket.socket() as sock:
-        assert sock.connect_ex(("127.0.0.1", server["port"])) != 0
+    # Checked from outside, after the job: nothing listens on its port on any node (each has
+    # its own 127.0.0.1), and no process of it (the server's pid, or any api_server on that
+    # port) is left.
+    assert cluster.port_open_on_nodes(server["port"]) == []
     assert not Path(f"/proc/{server['pid']}").exists()
     left = subprocess.run(["pgrep", "-f", f"{SERVER_MODULE}.*--port {server['port']}"],
                           capture_output=True, text=True)

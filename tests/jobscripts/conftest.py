@@ -18,9 +18,11 @@ DEMO_BYTES = 250_000
 
 @pytest.fixture(scope="session")
 def moto_s3(tmp_path_factory):
+    from tests.support.cluster import address_for_jobs
     from tests.support.mlflow_server import MotoS3
 
-    with MotoS3(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+    # The data stage's jobs read it from the cluster's nodes, whose 127.0.0.1 is their own.
+    with MotoS3(tmp_path_factory.mktemp("moto") / "moto.log", host=address_for_jobs()) as server:
         yield server
 
 

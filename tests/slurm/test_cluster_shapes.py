@@ -1,6 +1,6 @@
-"""Job arrays, het jobs, a login banner and an accounting outage on the real local cluster,
-through the worker's hook and the triggerer's poller (no Airflow: fast, and their counters
-are readable).
+"""Job arrays, het jobs (on two nodes), a login banner and an accounting outage on the real
+local cluster, through the worker's hook and the triggerer's poller (no Airflow: fast, and
+their counters are readable).
 
 The banner and outage tests change the cluster for everyone: run this file under
 ``flock -x /tmp/pp-cluster.lock``. Each restores the cluster in ``finally``.
@@ -77,26 +77,48 @@ def test_pending_array_task_is_found_by_its_own_id(hook) -> None:
         hook.cancel(job_id)
 
 
-def test_het_job_is_submitted_and_followed_by_its_leader_id(hook) -> None:
-    # Two components (Slurm 22.05 `#SBATCH hetjob`). On this one-node cluster it never starts:
-    # backfill, the only scheduler of het jobs, places each component on a node of its own
-    # (doc/html/heterogeneous_jobs.shtml, "Limitations"). Submission, lookup, the combined state
-    # and cancel are real; a het job's end is read from its components' rows as in
-    # test_real_outputs.py.
-    key, run_dir, job_id = submit(hook, "srun --het-group=0,1 hostname", cpus_per_task=1,
-                                  mem="100M", het_components=[{"cpus_per_task": 2,
-                                                               "mem": "100M"}])
+# A launcher (component 0, where the batch script runs) and a worker (component 1) with its
+# own resources (Slurm 22.05 `#SBATCH hetjob`, sbatch(1) "HETEROGENEOUS JOB SUPPORT").
+LAUNCHER = {"cpus_per_task": 1, "mem": "100M"}
+WORKER = {"cpus_per_task": 2, "mem": "100M"}
+
+
+def test_het_job_runs_its_components_on_two_nodes_followed_by_its_leader_id(hook) -> None:
+    # One srun step over both components: each prints the node it runs on. The sleep keeps
+    # the job in squeue long enough to read its rows there.
+    key, run_dir, job_id = submit(
+        hook, "sleep 3; srun --het-group=0,1 bash -c 'echo ran-on $(hostname)'",
+        het_components=[WORKER], **LAUNCHER)
     script = hook.read_bytes(posixpath.join(run_dir, "job.sbatch")).decode()
     assert "#SBATCH hetjob\n#SBATCH --cpus-per-task=2\n" in script
     try:
         rows = cluster.remote(f"squeue --noheader --jobs={job_id} --format=%i").split()
         assert rows == [f"{job_id}+0", f"{job_id}+1"]  # never the id sbatch printed
-        assert hook.describe(job_id).state == "PENDING"  # old: None, polled until the budget
+        assert hook.describe(job_id).state in ("PENDING", "RUNNING")  # old: None
         assert hook.find_by_key(key).job_id == job_id
+        record = wait_terminal(hook, job_id, key)
     finally:
         hook.cancel(job_id)
+    assert (record.job_id, record.state, record.exit_code) == (job_id, "COMPLETED", 0)
+    log = hook.log_tail(posixpath.join(run_dir, f"slurm-{job_id}.out"))
+    ran_on = sorted(line.split()[1] for line in log.splitlines() if line.startswith("ran-on "))
+    components = [cluster.sacct_field(f"{job_id}+{i}", "NodeList") for i in (0, 1)]
+    # The launcher and the worker each got a node of their own, and the step ran on both.
+    assert len(set(components)) == 2 and ran_on == sorted(components), (components, log)
+    assert record.nodelist == ",".join(sorted(components))
+
+
+def test_het_job_whose_worker_fails_is_a_failure_naming_the_worker(hook) -> None:
+    # The worker's step exits 5; the launcher's script fails with it (set -e), as a launcher
+    # whose workers died must. sacct then records both components FAILED 5:0 (local 22.05.8).
+    key, _, job_id = submit(hook, "srun --het-group=1 bash -c 'exit 5'",
+                            het_components=[WORKER], **LAUNCHER)
     record = wait_terminal(hook, job_id, key)
-    assert record.state == "CANCELLED" and f"{job_id}+1 CANCELLED" in record.state_detail
+    assert (record.job_id, record.state, record.exit_code) == (job_id, "FAILED", 5)
+    assert classify(record.state) is Outcome.FAILURE
+    assert f"{job_id}+1 FAILED exit code 5" in record.state_detail
+    found = hook.find_by_key(key)  # what decides re-attach-or-submit on a retry
+    assert (found.job_id, classify(found.state)) == (job_id, Outcome.FAILURE)
 
 
 def test_login_banner_on_every_command(hook) -> None:
@@ -107,7 +129,7 @@ def test_login_banner_on_every_command(hook) -> None:
         assert hook.find_by_key(key).job_id == job_id  # old: SlurmParseError before sbatch
         record = wait_terminal(hook, job_id, key)
         assert record.state == "COMPLETED" and record.start is not None  # standard times
-        assert hook.node_count() == 1
+        assert hook.node_count() == len(cluster.node_names())  # through the banner
         assert "streamed-line" in hook.log_tail(posixpath.join(run_dir, f"slurm-{job_id}.out"))
 
         async def one_round() -> tuple[object, bytes]:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -68,6 +69,43 @@ def sacct_field(job_id: str, field: str) -> str:
     return subprocess.run(["sacct", "--parsable2", "--noheader", "-X", f"--jobs={job_id}",
                            f"--format={field}"], capture_output=True, text=True,
                           check=True).stdout.strip()
+
+
+def address_for_jobs() -> str:
+    """The address of this machine that jobs on the cluster's nodes reach (each node has a
+    network namespace of its own, and its own 127.0.0.1): the controller's address in
+    slurm.conf, the bridge's; 127.0.0.1 when the cluster has none up here."""
+    try:
+        conf = Path("/etc/slurm/slurm.conf").read_text()
+    except OSError:
+        return "127.0.0.1"
+    match = re.search(r"^SlurmctldHost=[^(\s]+\(([0-9.]+)\)", conf, re.M)
+    if not match:
+        return "127.0.0.1"
+    with socket.socket() as probe:  # the bridge exists only while the cluster is up
+        try:
+            probe.bind((match.group(1), 0))
+        except OSError:
+            return "127.0.0.1"
+    return match.group(1)
+
+
+def port_open_on_nodes(port: int) -> list[str]:
+    """The nodes on which something listens on 127.0.0.1:``port`` (each node's own)."""
+    open_on = []
+    for node in node_names():
+        probe = subprocess.run(["nsenter", f"--net=/run/netns/{node}", "bash", "-c",
+                                f": </dev/tcp/127.0.0.1/{port}"], capture_output=True)
+        if probe.returncode == 0:
+            open_on.append(node)
+    return open_on
+
+
+def node_names() -> list[str]:
+    """The cluster's compute nodes, as ``sinfo`` lists them (node1, node2, ...)."""
+    out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N"], capture_output=True,
+                         text=True, check=True).stdout
+    return sorted(set(out.split()))
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):

@@ -53,6 +53,8 @@ class _Server:
 
     name = "server"
 
+    host = "127.0.0.1"
+
     def __init__(self, port: int | None, log_path: Path) -> None:
         self.port = port or free_port()
         self.log_path = log_path
@@ -60,7 +62,7 @@ class _Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
         raise NotImplementedError
@@ -118,11 +120,12 @@ class MotoS3(_Server):
 
     name = "moto_server"
 
-    def __init__(self, log_path: Path, port: int | None = None) -> None:
+    def __init__(self, log_path: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
         super().__init__(port, log_path)
+        self.host = host  # the cluster's jobs reach it at cluster.address_for_jobs()
 
     def argv(self) -> list[str]:
-        return [str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)]
+        return [str(VENV_BIN / "moto_server"), "-H", self.host, "-p", str(self.port)]
 
     def client(self):
         import boto3

@@ -90,11 +90,12 @@ def story(stack, local_cluster) -> Story:
         story.run_id = af.trigger(DAG_ID, {"skip_data_stage": False})
         story.killed_job = _running_segment(af, story.run_id, "train.segment_1")
         af.wait_task_state(DAG_ID, story.run_id, "train.segment_1", {"deferred"})
-        # The triggerer running the trigger holds the cluster's SSH connection (its poller).
-        story.ssh_before = cluster.wait_for(lambda: (s := _ssh(stack, ssh_port)) and
-                                            any(s.values()) and s, 60,
-                                            "a triggerer's SSH connection", 0.5)
-        story.killed = next(t for t, n in story.ssh_before.items() if n)
+        ti = cluster.wait_for(lambda: (t := af.task_instance(DAG_ID, story.run_id,
+                                                             "train.segment_1"))
+                              .get("triggerer_job") and t, 60, "segment 1's triggerer", 0.5)
+        story.killed = stack.triggerer_of(ti["triggerer_job"])
+        # Its poller holds the cluster's SSH connection while the trigger runs.
+        story.ssh_before = _ssh(stack, ssh_port)
         stack.kill(story.killed)
         survivor = next(t for t in TRIGGERERS if t != story.killed)
         af.wait_task_state(DAG_ID, story.run_id, "train.segment_2", {"deferred"}, timeout=900)

@@ -14,17 +14,21 @@ and start it again with ``up``.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.airflow import Standalone
+from tests.support.airflow import Standalone, _utc
 from tests.support.cluster import REPO
 
 SCRIPT = REPO / "docker" / "local_stack.sh"
 STATE = Path(os.environ.get("PP_STACK_STATE", "/var/lib/pretrain-stack"))
 TRIGGERERS = ("triggerer-1", "triggerer-2")
+# The line a triggerer logs right after creating its TriggererJob row (Airflow 3.3's
+# triggerer_job_runner.py, as the stack's triggerer logs show it).
+STARTED = re.compile(r"^(\S+)Z \[info\s*\] Starting the triggerer ", re.M)
 WORKERS = ("worker-1", "worker-2")
 
 
@@ -71,6 +75,22 @@ class Stack:
         pid = self.pid(component)
         os.killpg(pid, sig)
         return pid
+
+    def triggerer_of(self, job: dict) -> str:
+        """Which triggerer process runs as the TriggererJob ``job`` (a task instance's
+        ``triggerer_job``): the one whose log says it started when the job row was made. Both
+        run on one host, so the job's hostname does not tell them apart."""
+        made = _utc(job["start_date"])
+        gaps = {}
+        for name in TRIGGERERS:
+            starts = STARTED.findall((self.log_dir / f"{name}.log").read_text(errors="replace"))
+            if starts:
+                gaps[name] = abs((_utc(starts[-1]) - made).total_seconds())
+        best = min(gaps, key=gaps.get)
+        others = [g for n, g in gaps.items() if n != best]
+        if gaps[best] > 0.5 or any(g < gaps[best] + 0.5 for g in others):
+            raise RuntimeError(f"cannot tell which triggerer runs job {job['id']}: {gaps}")
+        return best
 
     def group_pids(self, component: str) -> set[int]:
         pgid = self.pid(component)

@@ -103,7 +103,7 @@ def test_rendered_segment_runs_through_srun_container_and_torchrun(hook, tmp_pat
                           result_file="segment.json")
     env = {"PP_PYTHON": "/opt/pretrain-pipeline/venv/bin/python", **seg["environment"]}
     spec = build_spec(key, run_dir, seg["command"], seg["job"], env)
-    record = op._attach_or_submit(spec, run_dir, key)
+    record = op._attach_or_submit(spec, run_dir, key, seg["files"])
     assert hook.read_json(posixpath.join(run_dir, "segment.json")) is None  # 12: cleared
 
     def ended():

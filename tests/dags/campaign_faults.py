@@ -7,8 +7,10 @@ from pathlib import Path
 
 from airflow.sdk import DAG
 
+from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.dag.segment import TrainingSegmentOperator
 from operators.campaign.schema.load import load_campaign
+from operators.slurm.messages import JobRequest
 
 _CI = load_campaign(Path(__file__).parents[1] / "campaigns" / "ci_campaign.yaml")
 STUCK = _CI.model_copy(update={"name": "stuck_before_first_checkpoint"})
@@ -18,16 +20,13 @@ class StuckTrainer(TrainingSegmentOperator):
     """A trainer that hangs before its first checkpoint (data loading never returns) until
     Slurm ends it at its time limit: the real operator must see that nothing advanced."""
 
-    def _data_path(self, layout, manifest) -> list[str]:
-        return []  # no dataset needed: this trainer never reads one
-
     def _require_data(self, data_path, origin) -> None:
-        pass
+        pass  # no dataset needed: this trainer never reads one
 
-    def _render_segment(self, layout, data_path, history, train_iters) -> None:
-        self.command = "echo 'loading the dataset...'; sleep 600"
-        self.job = {"time": "1", "partition": "debug", "requeue": True}
-        self.environment, self.files = {}, {}
+    def render_segment(self, inputs, history, train_iters) -> JobRequest:
+        return JobRequest("echo 'loading the dataset...'; sleep 600",
+                          {"time": "1", "partition": "debug", "requeue": True},
+                          result_file=SEGMENT_RESULT)
 
 
 with DAG("segment_no_progress", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,

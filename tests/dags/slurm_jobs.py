@@ -18,10 +18,10 @@ RESULT = "printf '{\"answer\": %s}' 42 > result.json"
 class CrashAfterSubmit(SlurmJobOperator):
     """Dies on its first try right after submitting, as a worker lost mid-task would."""
 
-    def _persist(self, context, job_id, log_path, run_dir):
-        super()._persist(context, job_id, log_path, run_dir)
+    def _persist(self, context, where):
+        super()._persist(context, where)
         if context["ti"].try_number == 1:
-            raise RuntimeError(f"simulated worker crash after submitting job {job_id}")
+            raise RuntimeError(f"simulated worker crash after submitting job {where.job_id}")
 
 
 with DAG("slurm_success", **COMMON):

@@ -18,9 +18,12 @@ with DAG("slurm_array_task_fails", **COMMON):
                      retry_delay=timedelta(seconds=1),
                      command='sleep 3; [ "$SLURM_ARRAY_TASK_ID" != 1 ] || exit 7')
 
+# The ticker's lines: one a second, so that it outlasts the test's 2-minute slurmdbd outage.
+TICKS = 170
+
 with DAG("slurm_through_outage", **COMMON):
-    # Runs ~50 s, one line a second with its epoch time; the test stops slurmdbd meanwhile.
+    # One line a second with its epoch time; the test stops slurmdbd meanwhile.
     SlurmJobOperator(task_id="ticker", ssh_conn_id=CONN, poll_interval=2,
                      result_file="result.json",
-                     command='for i in $(seq 50); do echo "tick $i $(date +%s)"; sleep 1; done; '
-                             "printf '{\"ticks\": 50}' > result.json")
+                     command=f'for i in $(seq {TICKS}); do echo "tick $i $(date +%s)"; sleep 1; '
+                             f"done; printf '{{\"ticks\": {TICKS}}}' > result.json")

@@ -219,8 +219,10 @@ ensure_node_net() {
   grep -qx "$n" "$STATE/netns" 2>/dev/null || echo "$n" >>"$STATE/netns"
   [[ -e /run/netns/$n ]] || { ip netns add "$n"; log "network namespace $n created"; }
   ip -n "$n" link set lo up
-  if ! ip link show "$veth" >/dev/null 2>&1; then
-    ip -n "$n" link del eth0 2>/dev/null || true  # a half-made node of an interrupted `up`
+  if ! ip -n "$n" link show eth0 >/dev/null 2>&1; then
+    # A veth of that name whose peer is not here belongs to a namespace an earlier `down`
+    # removed while a job's process still held it: replace it.
+    ip link del "$veth" 2>/dev/null || true
     ip link add "$veth" type veth peer name eth0 netns "$n"
   fi
   ip link set "$veth" master "$BRIDGE" up
@@ -245,7 +247,9 @@ remove_node_nets() {
   if [[ -f $STATE/netns ]]; then
     while read -r n; do
       [[ -n $n ]] || continue
-      ip netns del "$n" 2>/dev/null && log "network namespace $n removed"  # its veth goes with it
+      # Deleting the veth takes its peer along even when a process keeps the namespace alive.
+      ip link del "pp-veth${n#node}" 2>/dev/null || true
+      ip netns del "$n" 2>/dev/null && log "network namespace $n removed"
     done <"$STATE/netns"
     rm -f "$STATE/netns"
   fi

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install cluster-up cluster-down cluster-status test test-fast lint bench demo demo-down stack-down
+.PHONY: install cluster-up cluster-down cluster-status test test-fast lint bench demo demo-down stack-up stack-status stack-down
 
 install:
 	bash docker/bootstrap.sh
@@ -18,9 +18,10 @@ cluster-down:
 cluster-status:
 	bash docker/local_cluster.sh status
 
-# The test command of the README and of .ci/run.
+# The test command of the README and of .ci/run: the suite in lanes (tests/lanes.py: the stack's
+# story beside the rest, then the disruptive tests alone); with PYTEST_ARGS, plain pytest.
 test: cluster-up
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m tests.lanes $(PYTEST_ARGS)
 
 # Everyday work: the pure tier only (no cluster, Airflow, MLflow/S3 servers or training), after
 # `make install`; tiers are read from the fixtures a test uses (tests/support/tiers.py).
@@ -44,6 +45,13 @@ ifeq ($(STACK),production)
 else
 	$(PY) -m operators.demo up
 endif
+
+# The production stack alone (docker/local_stack.sh), with the repository's DAGs.
+stack-up: cluster-up
+	bash docker/local_stack.sh up
+
+stack-status:
+	bash docker/local_stack.sh status
 
 stack-down:
 	bash docker/local_stack.sh down

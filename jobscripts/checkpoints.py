@@ -11,6 +11,10 @@ A checkpoint counts only when the tracker names it and its directory is complete
 are atomic: files go into a temp directory in the same parent, are fsynced, the directory is
 renamed into place, and only then is the tracker replaced. A job killed at any point leaves
 either the previous checkpoint or the new one, never a half-written one that looks valid.
+Writers are fenced: a job takes the lease (``.checkpoint-lease.json`` beside the tracker) when
+it starts, and every save and pruning first checks the lease is still its own, so an orphaned
+process of an older job (a node that was cut off and came back after the job was requeued or
+retried elsewhere) cannot write into the campaign's checkpoints.
 Directories Megatron/Bridge wrote carry no ``complete.json``; they count when Megatron's own
 end-of-save files are there (see ``_megatron_finished``).
 No torch here: the trainer passes a callback that writes the files.
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from jobscripts.job_files import (
+    CHECKPOINT_LEASE,
     COMPLETE_MARKER,
     ITER_DIR_FORMAT,
     ITER_DIR_RE,
@@ -63,19 +70,69 @@ def read_tracker(root: str | os.PathLike[str]) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def write_tracker(root: str | os.PathLike[str], iteration: int) -> None:
-    root = Path(root)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{TRACKER_FILENAME}.", dir=root)
+def _replace_file(root: Path, name: str, text: str) -> None:
+    """``root/name`` holds ``text`` whole or keeps what it held: written beside it (a temp
+    name ``remove_stale_temp`` knows), fsynced, renamed over it, the directory fsynced."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{name}.", dir=root)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(str(iteration))  # no newline: Megatron's readers strip, others may not
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, root / TRACKER_FILENAME)
+        os.replace(tmp, root / name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(root)
+
+
+def write_tracker(root: str | os.PathLike[str], iteration: int) -> None:
+    # No newline: Megatron's readers strip, others may not.
+    _replace_file(Path(root), TRACKER_FILENAME, str(iteration))
+
+
+class FencedError(RuntimeError):
+    """This process no longer holds the checkpoint lease: a newer job took it."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The right to write a checkpoint root, held by one process of one job incarnation.
+
+    ``job_id`` and ``restart_count`` (Slurm's ``SLURM_JOB_ID``/``SLURM_RESTART_COUNT``) say
+    which job holds it; ``token`` tells two holders of the same job apart (a requeued job
+    keeps its id, and a process orphaned on a lost node still has the old environment).
+    """
+
+    root: Path
+    token: str
+    job_id: str | None = None
+    restart_count: int = 0
+
+    def check(self) -> None:
+        """Raise FencedError unless the lease file still names this holder."""
+        try:
+            current = json.loads((self.root / CHECKPOINT_LEASE).read_text(encoding="utf-8"))
+        except (FileNotFoundError, ValueError) as exc:
+            raise FencedError(f"{self.root}: checkpoint lease unreadable ({exc!r}); "
+                              "not writing") from exc
+        if current.get("token") != self.token:
+            raise FencedError(
+                f"{self.root}: checkpoint lease taken by job {current.get('job_id')} "
+                f"(restart {current.get('restart_count')}) on {current.get('host')}; this "
+                f"process (job {self.job_id}, restart {self.restart_count}) stops writing")
+
+
+def take_lease(root: str | os.PathLike[str], job_id: str | None = None,
+               restart_count: int = 0) -> Lease:
+    """Become the root's only writer; whoever held the lease before is fenced from now on."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    lease = Lease(root, secrets.token_hex(8), job_id, restart_count)
+    record = {"token": lease.token, "job_id": job_id, "restart_count": restart_count,
+              "host": socket.gethostname(), "pid": os.getpid()}
+    _replace_file(root, CHECKPOINT_LEASE, json.dumps(record))
+    return lease
 
 
 def _file_sizes(directory: Path) -> dict[str, int]:
@@ -91,8 +148,10 @@ def save_checkpoint(
     iteration: int,
     write_files: Callable[[Path], None],
     metadata: dict[str, Any] | None = None,
+    lease: Lease | None = None,
 ) -> Path:
-    """Write a checkpoint atomically and point the tracker at it; returns its directory."""
+    """Write a checkpoint atomically and point the tracker at it; returns its directory.
+    With a ``lease``, FencedError (and nothing renamed into place) once it is lost."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, iteration)
@@ -109,6 +168,8 @@ def save_checkpoint(
             handle.flush()
             os.fsync(handle.fileno())
         _fsync_dir(staging)
+        if lease is not None:
+            lease.check()  # the last moment before anything a reader sees changes
         if final.exists():
             # A re-save of the same iteration (a crash after rename, before the tracker
             # moved): the old copy is not what the tracker names, so it may go.
@@ -118,6 +179,8 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if lease is not None:
+        lease.check()  # narrows the race with a new holder to the tracker's own rename
     write_tracker(root, iteration)
     return final
 
@@ -229,9 +292,12 @@ def _remove_checkpoint_dir(path: Path) -> None:
 
 
 def apply_retention(
-    root: str | os.PathLike[str], keep_last: int | None, keep_every: int | None = None
+    root: str | os.PathLike[str], keep_last: int | None, keep_every: int | None = None,
+    lease: Lease | None = None,
 ) -> list[int]:
     """Delete what ``plan_retention`` says under ``root``; returns the deleted iterations."""
+    if lease is not None:
+        lease.check()
     root = Path(root)
     iterations = list_checkpoints(root)
     complete = [i for i in iterations if check_complete(checkpoint_dir(root, i)) is None]

@@ -61,9 +61,12 @@ class BackgroundCheck:
 
     def __init__(self, tokenizer_dir: Path, sample: list, requested: str, legacy: bool,
                  prebuilt: dict | None = None):  # fmt: skip
-        # Import megatron (~18 s) before forking, so that parent and child import it once.
+        # Import megatron (~18 s) before forking, so that parent and child import it once;
+        # and transformers, which Megatron's HF tokenizer library imports: in the child it
+        # took most of the check's CPU time, away from the encoding threads.
         import megatron.core.datasets.indexed_dataset  # noqa: F401
         import megatron.core.tokenizers  # noqa: F401
+        import megatron.core.tokenizers.text.libraries.huggingface_tokenizer  # noqa: F401
 
         # fork, not spawn: the child must not pay megatron's ~18 s import again. Forking is
         # safe here: the encoding threads start after it, and the child uses neither them

@@ -100,7 +100,31 @@ class TiktokenSpec:
 
 def tiktoken_spec(tokenizer_json: str | Path) -> TiktokenSpec:
     """Translate a HF ``tokenizer.json`` into tiktoken terms, or raise Unsupported."""
-    data = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    return spec_of(json.loads(Path(tokenizer_json).read_text(encoding="utf-8")))
+
+
+def spec_and_facts(tokenizer_dir: Path) -> tuple[TiktokenSpec, int, int | None]:
+    """(the tiktoken spec, vocabulary size with added tokens, id of ``eos_token``) from one
+    read of ``tokenizer.json`` (and its config), without building a HF tokenizer: the
+    tokenizer starts encoding this much sooner. Only a guess, like the encoder itself:
+    Megatron's own vocabulary size and EOD confirm it (encoder_check.Guess) or tokenization
+    is redone."""
+    data = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    spec = spec_of(data)
+    vocab = data["model"]["vocab"]
+    added = {a["content"]: a["id"] for a in data.get("added_tokens", [])}
+    size = len(set(vocab.values()) | set(added.values()))
+    config_path = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):  # older configs store AddedToken dicts
+        eos = eos.get("content")
+    eod = added.get(eos, vocab.get(eos)) if isinstance(eos, str) else None
+    return spec, size, eod
+
+
+def spec_of(data: dict) -> TiktokenSpec:
+    """:func:`tiktoken_spec` of a parsed ``tokenizer.json``."""
     model = data["model"]
     if model.get("type") != "BPE":
         raise Unsupported(f"model type {model.get('type')}")

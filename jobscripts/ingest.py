@@ -3,6 +3,7 @@
     python -m jobscripts.ingest --input DIR|GLOB|FILE|s3://...|hf://datasets/... --output-dir OUT
         [--min-chars 1] [--max-chars 0] [--no-dedup] [--tasks N] [--workers N]
         [--hf-repo REPO --hf-allow-pattern PAT ...] [--hf-revision REV] [--result PATH]
+        [--array-tasks N [--array-task I] | --merge-tasks N]
 
 The pipeline is the reference workflow's (``ParquetReader`` -> filters ->
 ``JsonlWriter``) run by ``LocalPipelineExecutor`` with its logs under
@@ -17,6 +18,19 @@ Remote sources are fetched into ``OUT/download`` first (resumably) and read from
 ``snapshot_download`` (:mod:`jobscripts.hf_fetch`; ``--input hf://...`` or the
 ``--hf-*`` flags). The reader gets the exact list of selected files, never "whatever is in
 the directory".
+
+Over nodes (a Slurm job array, operators/campaign/render/stages.py): ``--array-tasks N``
+makes this one of N tasks; task I (``--array-task``, default ``$SLURM_ARRAY_TASK_ID``) runs
+the I-th contiguous group of datatrove's ranks (one rank per input file by default: rank r
+reads files r, r+T, ...) through the per-rank first stage: the whole pipeline without dedup,
+the signature stage with it. Its result is ``result_I.json``, naming its input files from the
+start. A rank's datatrove completion marker makes a retried task skip it, so a finished
+task's files are not read again. ``--merge-tasks N`` is the job after the array: it
+requires every rank of every task to be complete (else fails naming each unfinished task
+and its files), then runs the rest (with dedup: the global find and the filter stage that
+writes the JSONL) and writes the result once, last. The ranks, files and stages are the
+single job's, so the JSONL is the single job's, byte for byte. Local inputs only: a remote
+source is fetched by one job (``--array-tasks`` refuses it).
 """
 
 from __future__ import annotations
@@ -30,8 +44,13 @@ from pathlib import Path
 
 from datatrove.pipeline.filters.base_filter import BaseFilter
 
-from jobscripts.common import StepError, entry_point, log
+from jobscripts.array_task import (
+    add_array_arguments,
+    resolve_array_args,
+)
+from jobscripts.common import StepError, log, run_step
 from jobscripts.results import read_json, write_json_atomic
+from jobscripts.shard_output import task_shards
 
 GLOB_CHARS = set("*?[")
 
@@ -95,7 +114,10 @@ def stage_stats(logging_dir: Path) -> list[dict]:
     return merged
 
 
-def build_executors(args, folder: str, paths_file: Path, out: Path, tasks: int, workers: int):
+def build_executors(args, folder: str, paths_file: Path, out: Path, tasks: int, workers: int,
+                    ranks: list[int] | None = None):
+    """The pipeline's executors in order; with ``ranks`` (an array task's contiguous group),
+    only the first, per-rank stage, limited to those ranks."""
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.readers import ParquetReader
     from datatrove.pipeline.writers import JsonlWriter
@@ -111,6 +133,8 @@ def build_executors(args, folder: str, paths_file: Path, out: Path, tasks: int, 
     # fork, not datatrove's forkserver default: each forkserver worker re-imports datatrove,
     # 20 s for three small stages here against 3 s; the parent holds no threads yet.
     common = {"tasks": tasks, "workers": workers, "start_method": "fork"}
+    if ranks is not None:  # datatrove runs ranks offset..offset+local_tasks-1 of ``tasks``
+        common.update(local_tasks=len(ranks), local_rank_offset=ranks[0])
     if not args.dedup:
         return [
             LocalPipelineExecutor([*head(), writer], logging_dir=str(logs / "ingest"), **common)
@@ -137,7 +161,7 @@ def build_executors(args, folder: str, paths_file: Path, out: Path, tasks: int, 
         logging_dir=str(logs / "ingest"),
         **common,
     )
-    return [first, find, last]
+    return [first] if ranks is not None else [first, find, last]
 
 
 def settings_guard(out: Path, settings: dict, overwrite: bool) -> None:
@@ -195,6 +219,73 @@ def resolve_input(args, out: Path) -> tuple[str, list[str], dict]:
     return folder, files, {}
 
 
+NOT_SETTINGS = ("result", "overwrite", "workers", "array_tasks", "array_task", "merge_tasks")
+
+
+def write_paths_file(out: Path, files: list[str]) -> Path:
+    """The reader's file list, sorted as datatrove's own listing is, so shards are the same.
+    Array tasks on several nodes write it at once: replaced whole, never seen half written."""
+    path, text = out / "input_files.txt", "".join(f"{name}\n" for name in sorted(files))
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_name(f".{path.name}.{os.uname().nodename}.{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path
+
+
+def rank_files(files: list[str], rank: int, tasks: int) -> list[str]:
+    """The input files datatrove's reader gives ``rank`` of ``tasks`` (its paths file is
+    read as lines ``rank``, ``rank + tasks``, ...: datatrove.io.get_shard_from_paths_file)."""
+    return files[rank::tasks]
+
+
+def task_ranks(tasks: int, task: int, array_tasks: int) -> list[int]:
+    return task_shards(list(range(tasks)), task, array_tasks)
+
+
+def array_task(args, folder: str, files: list[str], paths_file: Path, out: Path,
+               tasks: int) -> dict:
+    """One array task: its group of ranks through the per-rank first stage, nothing else."""
+    task, array_tasks = args.array_task, args.array_tasks
+    ranks = task_ranks(tasks, task, array_tasks)
+    shards = [f for r in ranks for f in rank_files(sorted(files), r, tasks)]
+    where = {"array_task": task, "array_tasks": array_tasks, "shards": shards,
+             "ranks": ranks}
+    # a task killed before its end still names its files
+    write_json_atomic(args.result, {**where, "ok": False, "step": "ingest",
+                                    "error": f"array task {task} started, did not finish"})
+    if not ranks:
+        log(f"array task {task} of {array_tasks}: no ranks ({tasks} in all)")
+        return {**where, "ranks_done_before": 0}
+    workers = args.workers or min(len(ranks), len(os.sched_getaffinity(0)))
+    (executor,) = build_executors(args, folder, paths_file, out, tasks, workers, ranks)
+    before = sum(map(executor.is_rank_completed, ranks))
+    log(f"ingest array task {task} of {array_tasks}: ranks {ranks[0]}..{ranks[-1]} of {tasks} "
+        f"({before} done before), files {shards}")
+    try:
+        executor.run()
+    except Exception as exc:
+        raise StepError(f"array task {task} (shards {', '.join(shards)}): "
+                        f"{type(exc).__name__}: {exc}", where) from exc
+    if undone := [r for r in ranks if not executor.is_rank_completed(r)]:
+        raise StepError(f"array task {task} (shards {', '.join(shards)}): ranks {undone} did "
+                        f"not complete (logs under {out / 'logs'})", where)
+    return {**where, "ranks_done_before": before}
+
+
+def require_tasks(executor, files: list[str], tasks: int, array_tasks: int) -> None:
+    """StepError naming each array task with a rank not complete, and its files."""
+    missing = []
+    for task in range(array_tasks):
+        ranks = task_ranks(tasks, task, array_tasks)
+        if not all(map(executor.is_rank_completed, ranks)):
+            shards = [f for r in ranks for f in rank_files(files, r, tasks)]
+            missing.append(f"task {task} (shards {', '.join(shards)})")
+    if missing:
+        raise StepError(f"{len(missing)} of {array_tasks} array tasks did not finish: "
+                        + "; ".join(missing), {"unfinished_tasks": missing})
+
+
 def ingest(args: argparse.Namespace) -> dict:
     from datatrove.io import get_datafolder
 
@@ -202,18 +293,25 @@ def ingest(args: argparse.Namespace) -> dict:
     source = args.input or (f"hf://datasets/{args.hf_repo}"
                             + (f"@{args.hf_revision}" if args.hf_revision else "")
                             + f" {' '.join(args.hf_allow_pattern)}")
+    if args.array_tasks and (args.hf_repo or "://" in (args.input or "")):
+        raise StepError(f"--array-tasks: {source} is remote; it is fetched by one ingest job "
+                        "(no --array-tasks)")
     folder, files, downloaded = resolve_input(args, out)
     data = get_datafolder(folder)
     tasks = args.tasks or min(len(files), 64)
     workers = args.workers or min(tasks, len(os.sched_getaffinity(0)))
-    settings = {k: v for k, v in vars(args).items() if k not in ("result", "overwrite", "workers")}
+    # How the work is spread (array flags, workers) is not part of what it makes.
+    settings = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}
     settings_guard(out, {**settings, "tasks": tasks}, args.overwrite)
-    # The reader's file list, sorted as datatrove's own listing is, so shards are the same.
-    paths_file = out / "input_files.txt"
-    paths_file.write_text("".join(f"{name}\n" for name in sorted(files)))
+    paths_file = write_paths_file(out, files)
+    if args.array_tasks:
+        return array_task(args, folder, files, paths_file, out, tasks)
     log(f"ingest: {len(files)} files under {folder}, {tasks} tasks, {workers} workers")
 
-    for executor in build_executors(args, folder, paths_file, out, tasks, workers):
+    executors = build_executors(args, folder, paths_file, out, tasks, workers)
+    if args.merge_tasks:  # after the array: its per-rank stage must be complete everywhere
+        require_tasks(executors[0], sorted(files), tasks, args.merge_tasks)
+    for executor in executors:
         executor.run()
     rows = count_rows(data, files)  # after the forks: pyarrow's thread pools and fork do not mix
     stats = stage_stats(out / "logs" / "ingest")
@@ -245,6 +343,7 @@ def ingest(args: argparse.Namespace) -> dict:
         "docs_out": written,
         "dropped": dropped,
         "filters": {"min_chars": args.min_chars, "max_chars": args.max_chars, "dedup": args.dedup},
+        "array_tasks": args.merge_tasks,
         "settings_sha256": hashlib.sha256(
             json.dumps(settings, sort_keys=True).encode()
         ).hexdigest(),
@@ -267,10 +366,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-repo", help="Hugging Face dataset repo to download first (needs network)")
     p.add_argument("--hf-allow-pattern", action="append", default=[], help="files to download")
     p.add_argument("--hf-revision", help="branch, tag or commit of --hf-repo")
+    add_array_arguments(p, "run as one of N array tasks: this task's group of ranks through "
+                           "the per-rank first stage only",
+                        "the job after N array tasks: require every rank, run the rest")
     return p
 
 
-main = entry_point("ingest", parser, ingest, "ingest.json")
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    p.add_argument("--result", help="where to write the result JSON (default: "
+                   "<output dir>/ingest.json; an array task adds _<task> to its name)")
+    args = p.parse_args(argv)
+    if args.array_tasks and args.overwrite:  # one task would delete the others' work
+        p.error("--overwrite cannot be used with --array-tasks")
+    default = Path(args.output_dir) / "ingest.json"
+    resolve_array_args(p, args, default)
+    return run_step("ingest", args, default, ingest)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,14 @@ def iteration_line(
     skipped: int,
     nan: int,
     loss_scale: float = 1.0,
+    skipped_samples: int = 0,
 ) -> str:
     # Bridge starts the line with the wall-clock time (Megatron-LM adds microseconds).
     text = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     text += f" iteration {iteration:8d}/{train_iters:8d} |"
     text += f" consumed samples: {consumed_samples:12d} |"
+    if skipped_samples > 0:  # Megatron-LM's field for --iterations-to-skip, only once nonzero
+        text += f" skipped samples: {skipped_samples:12d} |"
     text += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     text += f" learning rate: {learning_rate:.6E} |"
     text += f" global batch size: {global_batch_size:5d} |"

@@ -21,6 +21,41 @@ def marker_path(prefix: Path) -> Path:
     return prefix.with_name(prefix.name + ".done.json")
 
 
+# One array task's done record: which shards it owned and each one's done marker. A retried
+# array's task finds it (and every shard it names still finished) and does nothing; the merge
+# requires all of them. Under OUT/, beside the shards' own markers.
+TASKS_DIR = ".array_tasks"
+
+
+def task_record_path(out: Path, task: int, tasks: int) -> Path:
+    return out / TASKS_DIR / f"task_{task:05d}_of_{tasks:05d}.done.json"
+
+
+def task_shards(shards: list, task: int, tasks: int) -> list:
+    """Array task ``task``'s contiguous share of the sorted shard list (maybe empty)."""
+    return shards[task * len(shards) // tasks : (task + 1) * len(shards) // tasks]
+
+
+def task_finished(out: Path, task: int, tasks: int, owned: list[tuple[Path, dict]]) -> dict | None:
+    """The task's done record when it names exactly ``owned`` (prefix, identity) and every one
+    of those shards is still finished; else None (the task is redone, shard markers decide)."""
+    path = task_record_path(out, task, tasks)
+    if not path.exists():
+        return None
+    record = read_json(path)
+    if [s["prefix"] for s in record["shards"]] != [prefix.name for prefix, _i in owned]:
+        return None
+    for prefix, identity in owned:
+        if finished(prefix, identity) is None:
+            return None
+    return record
+
+
+def mark_task_done(out: Path, task: int, tasks: int, records: list[dict]) -> None:
+    write_json_atomic(task_record_path(out, task, tasks),
+                      {"task": task, "tasks": tasks, "shards": records})
+
+
 def shard_identity(path: Path, settings: dict) -> dict:
     stat = path.stat()
     return {
@@ -81,16 +116,26 @@ class ShardWriter:
         self.record = {**identity, **facts, "documents": 0, "tokens": 0, "text_bytes": 0}
 
     def add(self, counts, tokens, splits: dict, text_bytes: int) -> int:
-        """Write one encoded batch, a document at a time as preprocess_data does."""
-        offset = 0
+        """Write one encoded batch: the bytes and index entries ``add_document`` would write
+        for each document in turn, written in one go: the batch's tokens are one contiguous
+        array of the dataset's dtype already, and a call per document is main-thread time
+        taken from the encoders, which share the cores with it."""
+        builder = self.builder
+        if tokens.dtype != builder.dtype:
+            raise TypeError(f"tokens are {tokens.dtype}, the dataset is {builder.dtype}")
+        builder.data_file.write(tokens.tobytes(order="C"))
+        lengths, indices = builder.sequence_lengths, builder.document_indices
         for i, count in enumerate(counts.tolist()):
-            lengths = splits.get(i) or ([count] if count else [])
-            self.builder.add_document(tokens[offset : offset + count], lengths)
-            offset += count
+            if i in splits:
+                lengths.extend(splits[i])
+            elif count:
+                lengths.append(count)
+            indices.append(len(lengths))
+        written = len(tokens)
         self.record["documents"] += len(counts)
-        self.record["tokens"] += offset
+        self.record["tokens"] += written
         self.record["text_bytes"] += text_bytes
-        return offset
+        return written
 
     def close(self, hash_bin: bool) -> dict:
         """Files in place, not yet marked done: the caller marks them (mark_done)."""

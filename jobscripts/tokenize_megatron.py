@@ -4,6 +4,7 @@
         --output-dir OUT [--workers N] [--merge NAME] [--encoder auto|tiktoken|hf|reference]
         [--legacy-tokenizer] [--json-key text] [--verify-docs 256] [--verify-chars 200000]
         [--batch-bytes 1048576] [--hash-bin] [--result PATH]
+        [--array-tasks N [--array-task I] | --merge-tasks N]
 
 Output is byte-identical to Megatron-LM core_v0.16.1 ``tools/preprocess_data.py
 --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKDIR --append-eod`` run
@@ -25,6 +26,15 @@ else Megatron's tokenizer itself).
 Resumable: a finished shard leaves ``<prefix>.done.json``; a rerun skips shards
 whose marker matches the input file, tokenizer and outputs. ``manifest.json`` is
 deleted at start and written last, so its presence means the dataset is complete.
+
+Over nodes (a Slurm job array, operators/campaign/render/stages.py): ``--array-tasks N``
+makes this one of N tasks, task I (``--array-task``, default ``$SLURM_ARRAY_TASK_ID``)
+tokenizing the I-th contiguous group of the sorted shards, writing neither the merged
+prefix nor the manifest, and its result as ``result_I.json`` (naming its shards from the
+start). A finished task leaves ``.array_tasks/task_I_of_N.done.json``; a rerun of the task
+whose record and shards still match does nothing. ``--merge-tasks N`` is the merge job after
+the array: it requires every task's record (else fails naming each missing task and its
+shards), then merges and writes the manifest, so the output is the single job's, byte for byte.
 """
 
 from __future__ import annotations
@@ -41,14 +51,28 @@ from pathlib import Path
 import numpy as np
 
 from jobscripts import manifest as manifest_lib
-from jobscripts.common import StepError, entry_point, log
+from jobscripts.array_task import (
+    add_array_arguments,
+    resolve_array_args,
+)
+from jobscripts.common import StepError, log, run_step
 from jobscripts.doc_encoder import Encoder, choose, encode_batch
 from jobscripts.doc_stream import describe_location, iter_documents, list_inputs, shard_stem
-from jobscripts.encoder_check import BackgroundCheck, Guess, GuessRejected, files_view
-from jobscripts.fast_encoder import TiktokenEncoder, Unsupported, tiktoken_spec
+from jobscripts.encoder_check import BackgroundCheck, Guess, GuessRejected
+from jobscripts.fast_encoder import TiktokenEncoder, Unsupported, spec_and_facts
 from jobscripts.job_files import MANIFEST_FILE
 from jobscripts.megatron_tokenizer import load, output_dtype, sha256_file
-from jobscripts.shard_output import ShardWriter, finished, mark_done, merge, shard_identity
+from jobscripts.results import write_json_atomic
+from jobscripts.shard_output import (
+    ShardWriter,
+    finished,
+    mark_done,
+    mark_task_done,
+    merge,
+    shard_identity,
+    task_finished,
+    task_shards,
+)
 
 PROGRESS_EVERY_S = 10.0
 
@@ -173,12 +197,10 @@ def fast_start(todo, tokenizer_dir: Path, sample: list, args, progress) -> tuple
     if args.legacy_tokenizer or args.encoder not in ("auto", "tiktoken"):
         return None  # the legacy BOS wrapping needs Megatron's tokenizer up front
     try:
-        encoder = Encoder(
-            "tiktoken", TiktokenEncoder(tiktoken_spec(tokenizer_dir / "tokenizer.json")).encode
-        )
+        spec, vocab_size, eod = spec_and_facts(tokenizer_dir)
     except Unsupported:
         return None
-    vocab_size, eod = files_view(tokenizer_dir)
+    encoder = Encoder("tiktoken", TiktokenEncoder(spec).encode)
     if eod is None:
         return None  # let the Megatron path report it
     prebuilt = {"tiktoken": encoder.encode}  # the child checks this very encoder
@@ -205,7 +227,27 @@ def checked_start(todo, tokenizer_dir: Path, sample: list, args) -> tuple:
     return facts, report, records, progress
 
 
-def run(args: argparse.Namespace) -> dict:
+def import_megatron() -> None:
+    """Everything the job imports, once, before the encoder check forks."""
+    import_start = time.monotonic()
+    import megatron.core.datasets.indexed_dataset  # noqa: F401  (~20 s: torch and most of mcore)
+    import megatron.core.tokenizers  # noqa: F401
+
+    # Megatron's HF tokenizer library, and with it transformers (~2.5 CPU-s: v5 scans every
+    # model's files at import), is what the encoder check builds. Imported here, the forked
+    # check inherits it: it no longer spends those seconds importing on the cores the
+    # encoding threads need (measured: most of the check's CPU time), nor holds a private
+    # copy (forked pages are shared).
+    import megatron.core.tokenizers.text.libraries.huggingface_tokenizer  # noqa: F401
+
+    log(f"megatron-core imported in {time.monotonic() - import_start:.1f} s")
+    # builder.add_index calls gc.collect() per shard: 0.3 s each over the millions of objects
+    # the imports made. Frozen objects are skipped by collections.
+    gc.freeze()
+
+
+def plan(args: argparse.Namespace) -> tuple[Path, list, dict]:
+    """(output dir, [(shard, prefix, identity)] for every input shard in order, settings)."""
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_FILE).unlink(missing_ok=True)  # stale manifests must not outlive a failed run
@@ -215,22 +257,20 @@ def run(args: argparse.Namespace) -> dict:
     stems = [shard_stem(p) for p in shards]
     if len(set(stems)) != len(stems):
         raise StepError(f"input shards share a file name stem, outputs would collide: {stems}")
-    tokenizer_dir = Path(args.tokenizer)
-    import_start = time.monotonic()
-    import megatron.core.datasets.indexed_dataset  # noqa: F401  (~20 s: torch and most of mcore)
-    import megatron.core.tokenizers  # noqa: F401
-
-    log(f"megatron-core imported in {time.monotonic() - import_start:.1f} s")
-    # builder.add_index calls gc.collect() per shard: 0.3 s each over the millions of objects
-    # the imports made. Frozen objects are skipped by collections.
-    gc.freeze()
     # What a shard's output depends on; the vocabulary size, EOD and dtype follow from these.
-    settings = {"tokenizer_sha256": sha256_file(tokenizer_dir / "tokenizer.json"),
+    settings = {"tokenizer_sha256": sha256_file(Path(args.tokenizer) / "tokenizer.json"),
                 "legacy_tokenizer": args.legacy_tokenizer, "json_key": args.json_key,
                 "append_eod": True}  # fmt: skip
+    entries = [(path, out / f"{stem}_text_document", shard_identity(path, settings))
+               for path, stem in zip(shards, stems, strict=True)]
+    return out, entries, settings
+
+
+def encode_pending(entries: list, args: argparse.Namespace) -> tuple[list, list, dict, Progress]:
+    """Tokenize the shards of ``entries`` not finished yet: (done records, the shards that were
+    tokenized, the encoder report, progress)."""
     done, todo = [], []
-    for path, stem in zip(shards, stems, strict=True):
-        prefix, identity = out / f"{stem}_text_document", shard_identity(path, settings)
+    for path, prefix, identity in entries:
         if record := finished(prefix, identity):
             log(f"skipping {path}: {prefix} is complete")
             done.append(record)
@@ -238,13 +278,77 @@ def run(args: argparse.Namespace) -> dict:
             todo.append((path, prefix, identity))
     progress, report = Progress(), {}
     if todo:
+        import_megatron()
         sample = verification_sample([p for p, _x, _i in todo], args)
-        fast = fast_start(todo, tokenizer_dir, sample, args, progress)
-        facts, report, records, progress = fast or checked_start(todo, tokenizer_dir, sample, args)
+        fast = fast_start(todo, Path(args.tokenizer), sample, args, progress)
+        _facts, report, records, progress = fast or checked_start(
+            todo, Path(args.tokenizer), sample, args)
         done += records
+    return done, todo, report, progress
+
+
+def run_array_task(args: argparse.Namespace) -> dict:
+    """One array task: its group of shards, tokenized (or already done), no merge, no
+    manifest: the merge job writes it once every task is done."""
+    out, entries, _settings = plan(args)
+    task, tasks = args.array_task, args.array_tasks
+    owned = task_shards(entries, task, tasks)
+    names = [path.name for path, _p, _i in owned]
+    where = {"array_task": task, "array_tasks": tasks, "shards": names}
+    if args.result:  # a task killed before its end still names its shards
+        write_json_atomic(args.result, {**where, "ok": False, "step": "tokenize_megatron",
+                                        "error": f"array task {task} started, did not finish"})
+    if task_finished(out, task, tasks, [(p, i) for _s, p, i in owned]):
+        log(f"array task {task} of {tasks}: done by an earlier run ({len(owned)} shards)")
+        return {**where, "skipped_shards": len(owned), "tokenized_shards": 0, "tokens": 0,
+                "task_done_before": True}
+    log(f"array task {task} of {tasks}: shards {names}")
+    try:
+        done, todo, report, progress = encode_pending(owned, args)
+    except StepError as exc:
+        raise StepError(f"array task {task} (shards {', '.join(names)}): {exc}", where) from exc
+    except Exception as exc:
+        raise StepError(f"array task {task} (shards {', '.join(names)}): "
+                        f"{type(exc).__name__}: {exc}", where) from exc
+    done = sorted(done, key=lambda r: r["prefix"])
+    mark_task_done(out, task, tasks, done)
+    elapsed = time.monotonic() - progress.start
+    return {**where, "skipped_shards": len(owned) - len(todo), "tokenized_shards": len(todo),
+            "documents": sum(r["documents"] for r in done),
+            "tokens": sum(r["tokens"] for r in done), "encoder": report,
+            "task_done_before": False,
+            "tokens_per_s_this_run": round(progress.tokens / elapsed, 1) if progress.tokens
+            else None}
+
+
+def finished_tasks(out: Path, entries: list, tasks: int) -> list[dict]:
+    """Every shard's done record, from the array tasks' records; StepError naming each task
+    that did not finish and its shards."""
+    records, missing = [], []
+    for task in range(tasks):
+        owned = task_shards(entries, task, tasks)
+        if task_finished(out, task, tasks, [(p, i) for _s, p, i in owned]) is None:
+            missing.append(f"task {task} (shards {', '.join(s.name for s, _p, _i in owned)})")
+            continue
+        records += [finished(prefix, identity) for _s, prefix, identity in owned]
+    if missing:
+        raise StepError(f"{len(missing)} of {tasks} array tasks did not finish: "
+                        + "; ".join(missing), {"unfinished_tasks": missing})
+    return records
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.array_tasks:
+        return run_array_task(args)
+    out, entries, settings = plan(args)
+    if args.merge_tasks:  # the merge job after an array: every task must have finished
+        done, todo, report, progress = finished_tasks(out, entries, args.merge_tasks), [], {}, \
+            Progress()
+        import_megatron()
     else:
-        facts = {k: done[0][k] for k in ("vocab_size", "eod_id", "dtype")}
-    settings.update({k: facts[k] for k in ("vocab_size", "eod_id", "dtype")})
+        done, todo, report, progress = encode_pending(entries, args)
+    facts = {k: done[0][k] for k in ("vocab_size", "eod_id", "dtype")}
+    settings.update(facts)
     records = sorted(done, key=lambda r: r["prefix"])
     shard_records = records
     if args.merge:
@@ -259,8 +363,9 @@ def run(args: argparse.Namespace) -> dict:
         "manifest": str(out / MANIFEST_FILE),
         "manifest_fingerprint": manifest["fingerprint"],
         "prefixes": [str(out / r["prefix"]) for r in records],
-        "skipped_shards": len(shards) - len(todo),
+        "skipped_shards": len(entries) - len(todo),
         "tokenized_shards": len(todo),
+        "array_tasks": args.merge_tasks or None,
         "documents": manifest["total"]["documents"],
         "tokens": manifest["total"]["tokens"],
         "vocab_size": settings["vocab_size"],
@@ -296,10 +401,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-chars", type=int, default=200_000, help="and at most this much text")
     p.add_argument("--batch-bytes", type=int, default=1 << 20, help="text per encoding batch")
     p.add_argument("--hash-bin", action="store_true", help="also record sha256 of each .bin")
+    add_array_arguments(p, "run as one of N array tasks: tokenize this task's group of shards "
+                           "only (no merge, no manifest)",
+                        "the merge after N array tasks: require each task's done record, "
+                        "then merge and write the manifest")
     return p
 
 
-main = entry_point("tokenize_megatron", parser, run, "tokenize.json")
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    p.add_argument("--result", help="where to write the result JSON (default: "
+                   "<output dir>/tokenize.json; an array task adds _<task> to its name)")
+    args = p.parse_args(argv)
+    default = Path(args.output_dir) / "tokenize.json"
+    resolve_array_args(p, args, default)
+    return run_step("tokenize_megatron", args, default, run)
 
 
 if __name__ == "__main__":

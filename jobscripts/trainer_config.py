@@ -56,6 +56,10 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
     seed: int = 1234
+    # Megatron's --iterations-to-skip: value k skips the step taken with k iterations done
+    # (logged as k+1 had it trained): its global batch is consumed, not trained, and the lr
+    # schedule does not advance. [N, N+1, ..., N+K-1] after a resume from N skips the next K.
+    iterations_to_skip: list[int] = field(default_factory=list)
     # validation: the same first eval_iters batches of the valid split each time
     eval_interval: int | None = None  # None or 0: no validation
     eval_iters: int = 2
@@ -74,6 +78,9 @@ class TrainerConfig:
     # Fixed, so float reductions happen in the same order every run. 1 by default: OpenMP
     # threads spin-wait, and on a shared or oversubscribed node 2 threads ran 10x slower.
     num_threads: int = 1
+    # Under torchrun (several ranks): how long a collective waits for a peer (Megatron's
+    # --distributed-timeout-minutes). Slurm's --kill-on-bad-exit usually ends a broken job first.
+    distributed_timeout_minutes: float = 10.0
     segment_result: str = SEGMENT_RESULT
 
     @property
@@ -129,10 +136,12 @@ def validate(config: TrainerConfig) -> None:
     for name in ("keep_last", "keep_every"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             problems.append(f"{name} must be at least 1 (or null to keep everything)")
+    if any(i < 0 for i in config.iterations_to_skip):
+        problems.append("iterations_to_skip: iterations must not be negative")
     if config.min_lr > config.lr:
         problems.append("min_lr must not exceed lr")
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length",
-                 "log_interval", "num_threads", "eval_iters"):
+                 "log_interval", "num_threads", "eval_iters", "distributed_timeout_minutes"):
         if getattr(config, name) < 1:
             problems.append(f"{name} must be at least 1")
     if problems:

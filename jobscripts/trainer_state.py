@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,20 @@ from jobscripts.trainer_config import TrainerConfig
 
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class Position:
+    """Where training stands: iterations done, samples consumed, and of those the samples
+    consumed without training (``iterations_to_skip``; Megatron's skipped_train_samples)."""
+
+    iteration: int = 0
+    consumed: int = 0
+    skipped: int = 0
+
+    def trained_steps(self, global_batch_size: int) -> int:
+        # Megatron's scheduler steps only on trained iterations, so the lr follows these.
+        return self.iteration - self.skipped // global_batch_size
 
 
 def lr_at(iteration: int, config: TrainerConfig) -> float:
@@ -106,11 +121,12 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def write_state(directory: Path, optimizer, iteration: int, consumed: int, config) -> None:
+def write_state(directory: Path, optimizer, position: Position, config) -> None:
     torch.save(
         {
-            "iteration": iteration,
-            "consumed_samples": consumed,
+            "iteration": position.iteration,
+            "consumed_samples": position.consumed,
+            "skipped_samples": position.skipped,
             "optimizer": optimizer.state_dict(),
             "scheduler": _schedule(config),
             "rng": capture_rng(),
@@ -119,8 +135,8 @@ def write_state(directory: Path, optimizer, iteration: int, consumed: int, confi
     )
 
 
-def load_state(directory: Path, model, optimizer, config) -> tuple[int, int]:
-    """Restore weights, optimizer and RNG in place; (iteration, consumed samples).
+def load_state(directory: Path, model, optimizer, config) -> Position:
+    """Restore weights, optimizer and RNG in place; the training position they belong to.
 
     Weights go into the model built from the run config with ``strict=True``: an architecture
     that drifted between segments fails here instead of training a different model.
@@ -135,4 +151,5 @@ def load_state(directory: Path, model, optimizer, config) -> tuple[int, int]:
         print(f"WARNING: lr schedule changed since the checkpoint: {state['scheduler']} -> "
               f"{_schedule(config)}", flush=True)
     restore_rng(state["rng"])
-    return state["iteration"], state["consumed_samples"]
+    # Checkpoints from before iterations_to_skip existed skipped nothing.
+    return Position(state["iteration"], state["consumed_samples"], state.get("skipped_samples", 0))

@@ -90,7 +90,10 @@ COMPLETED = "completed"  # train_iters reached
 TIME_LIMIT = "time_limit"  # a planned end: exit duration, exit interval
 SIGNAL = "signal"  # SIGTERM/SIGUSR1 (Slurm's --signal), saved and stopped
 FAILED = "failed"
-STOP_REASONS = (COMPLETED, TIME_LIMIT, SIGNAL, FAILED)
+# A pre-queued segment job that did not train: its gate found the segment before it had not
+# advanced the checkpoint (jobscripts/segment_gate.py, docs/prequeue.md).
+PREQUEUE_REFUSED = "prequeue_refused"
+STOP_REASONS = (COMPLETED, TIME_LIMIT, SIGNAL, FAILED, PREQUEUE_REFUSED)
 # Only the log tells these apart (segment.json says time_limit or failed).
 EXIT_INTERVAL = "exit_interval"
 EXIT_NAN = "nan"

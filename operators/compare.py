@@ -7,9 +7,12 @@ Reads every campaign (parent run) of the MLflow experiment and the segment runs 
 joins their metric histories into one curve per campaign (a step logged by a later segment,
 e.g. a retry that redid iterations, replaces the earlier value), puts loss on tokens consumed
 (``tokens_consumed`` logged with step = iteration), and writes:
-- ``compare.png``: training loss (left) and validation loss (right), one line per campaign in
-  the same colour on both; the reference curve (CSV with ``tokens,val_loss`` columns, e.g.
-  llm.c's GPT-2 124M on FineWeb, ~3.28 after 10B tokens) dashed on the validation panel;
+- ``compare.png``: training loss (left), validation loss (middle) and held-out bits per byte
+  of every evaluated checkpoint (right: ``eval_bits_per_byte`` at step = iteration, on
+  ``eval_tokens_consumed``; docs/health.md), one line per campaign in the same colour; the
+  reference curve (CSV with a ``tokens`` column and ``val_loss`` and/or ``bits_per_byte``,
+  e.g. llm.c's GPT-2 124M on FineWeb, ~3.28 after 10B tokens) dashed on the validation panel
+  and the bits-per-byte panel;
 - ``compare.csv`` and ``compare.md`` beside it, and the table on stdout: final tokens, losses,
   and the evaluation's perplexity and bits per byte. Losses in nats per token depend on the
   tokenizer; bits per byte does not, so it is the column to compare across tokenizers.
@@ -36,11 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobscripts.vocabulary import EVAL_METRICS, LM_LOSS, TOKENS_CONSUMED, VAL_LM_LOSS
+from operators.campaign.adapters.checkpoint_eval_log import EVAL_TOKENS_CONSUMED
 from operators.tracking import goodput, names
 from operators.tracking.runs import PARENT_TAG
 
 HELP = "plot loss vs tokens for an experiment's campaigns and tabulate final metrics"
 CURVES = (LM_LOSS, VAL_LM_LOSS)
+# Held-out bits per byte of every evaluated checkpoint (the evaluation DAG's, step =
+# iteration, and the final evaluate's): comparable across tokenizers, unlike the losses.
+BPB_CURVE = EVAL_METRICS["bits_per_byte"]
 EVAL_COLUMNS = (EVAL_METRICS["perplexity"], EVAL_METRICS["bits_per_byte"])
 COLUMNS = ("run", "run_id", "status", "tokens", LM_LOSS, VAL_LM_LOSS, *EVAL_COLUMNS, "note")
 GOODPUT_FIELDS = tuple(goodput.Goodput.__dataclass_fields__)
@@ -65,7 +72,7 @@ class Campaign:
     resumed_tokens: list[float] = field(default_factory=list)  # where segments resumed
 
     def row(self) -> dict[str, object]:
-        tokens = max((x for points in self.curves.values() for x, _ in points), default=None)
+        tokens = max((x for key in CURVES for x, _ in self.curves.get(key) or ()), default=None)
         values = {k: self.final.get(k) for k in (LM_LOSS, VAL_LM_LOSS, *EVAL_COLUMNS)}
         return {"run": self.name, "run_id": self.run_id, "status": self.status,
                 "tokens": tokens, **values, "note": self.note}
@@ -145,6 +152,10 @@ def load_campaigns(client, experiment: str) -> list[Campaign]:
         for key in EVAL_COLUMNS:
             if key in run.data.metrics:
                 campaign.final[key] = run.data.metrics[key]
+        evaluated = _history(client, run.info.run_id, BPB_CURVE)
+        tokens_at = _history(client, run.info.run_id, EVAL_TOKENS_CONSUMED) \
+            or merged[TOKENS_CONSUMED]
+        campaign.curves[BPB_CURVE] = on_tokens(evaluated, tokens_at)
         if not merged[TOKENS_CONSUMED]:
             campaign.note = f"no {TOKENS_CONSUMED} metric: not plotted"
         campaign.goodput = {f: run.data.metrics[names.goodput_metric(f)] for f in GOODPUT_FIELDS
@@ -159,28 +170,59 @@ def load_campaigns(client, experiment: str) -> list[Campaign]:
     return campaigns
 
 
-def read_reference(path: Path) -> list[tuple[float, float]]:
+REFERENCE_LOSS, REFERENCE_BPB = "val_loss", "bits_per_byte"  # the reference CSV's columns
+
+
+def read_reference_curves(path: Path) -> dict[str, list[tuple[float, float]]]:
+    """The reference CSV's curves: ``tokens`` and one or both of ``val_loss`` (nats per
+    token, the validation panel) and ``bits_per_byte`` (the held-out panel); a row may leave
+    one of them empty. A bad value names its line."""
     with open(path, newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
-        if not reader.fieldnames or not {"tokens", "val_loss"} <= set(reader.fieldnames):
-            raise SystemExit(f"compare: {path} needs columns tokens,val_loss "
-                             f"(has {reader.fieldnames})")
-        return sorted((float(r["tokens"]), float(r["val_loss"])) for r in reader)
+        columns = set(reader.fieldnames or ())
+        wanted = [c for c in (REFERENCE_LOSS, REFERENCE_BPB) if c in columns]
+        if "tokens" not in columns or not wanted:
+            raise SystemExit(f"compare: {path} needs columns tokens and val_loss and/or "
+                             f"bits_per_byte (has {reader.fieldnames})")
+        curves: dict[str, list[tuple[float, float]]] = {c: [] for c in wanted}
+        for row in reader:
+            for column in wanted:
+                if (row.get(column) or "").strip():
+                    try:
+                        curves[column].append((float(row["tokens"]), float(row[column])))
+                    except ValueError as exc:
+                        raise SystemExit(f"compare: {path}:{reader.line_num}: {column}: "
+                                         f"{exc}") from None
+        return {c: sorted(points) for c, points in curves.items()}
+
+
+def read_reference(path: Path) -> list[tuple[float, float]]:
+    """The reference's validation-loss curve (empty when it gives bits per byte only)."""
+    return read_reference_curves(path).get(REFERENCE_LOSS, [])
 
 
 def plot(campaigns: Sequence[Campaign], reference: Sequence[tuple[float, float]] = (),
-         reference_label: str = "reference", logx: bool = False, title: str = ""):
-    """The figure (Agg, no display needed): left training loss, right validation loss."""
+         reference_label: str = "reference", logx: bool = False, title: str = "",
+         reference_bpb: Sequence[tuple[float, float]] = ()):
+    """The figure (Agg, no display needed): left training loss, middle validation loss,
+    right held-out bits per byte (when there is a curve of it, or a reference one)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 4.5), layout="constrained")
-    axes = figure.subplots(1, 2, sharex=True)
+    # The bits-per-byte panel once some campaign has a curve of it (two evaluated checkpoints
+    # or more): a lone final evaluation is in the table.
+    bpb = any(len(c.curves.get(BPB_CURVE) or ()) > 1 for c in campaigns) or bool(reference_bpb)
+    figure = Figure(figsize=(18 if bpb else 12, 4.5), layout="constrained")
+    axes = figure.subplots(1, 3 if bpb else 2, sharex=True)
     for index, campaign in enumerate(campaigns):
         color = f"C{index % 10}"
-        for axis, key in zip(axes, CURVES, strict=True):
+        points = campaign.curves.get(BPB_CURVE) or []
+        if bpb and points:  # every evaluated checkpoint: a marker each
+            xs, ys = zip(*points, strict=True)
+            axes[2].plot(xs, ys, color=color, marker="o", label=campaign.name, linewidth=1.5)
+        for axis, key in zip(axes, CURVES, strict=False):
             points = campaign.curves.get(key) or []
             if points:
                 xs, ys = zip(*points, strict=True)
@@ -191,10 +233,16 @@ def plot(campaigns: Sequence[Campaign], reference: Sequence[tuple[float, float]]
     if reference:
         xs, ys = zip(*reference, strict=True)
         axes[1].plot(xs, ys, color="black", linestyle="--", label=reference_label)
-    for axis, name in zip(axes, ("training loss", "validation loss"), strict=True):
+    if reference_bpb:
+        xs, ys = zip(*reference_bpb, strict=True)
+        axes[2].plot(xs, ys, color="black", linestyle="--", label=reference_label)
+    for axis, name, unit in zip(axes, ("training loss", "validation loss",
+                                        "held-out bits per byte (each checkpoint)"),
+                                ("loss (nats/token)", "loss (nats/token)", "bits per byte"),
+                                strict=False):
         axis.set_title(name)
         axis.set_xlabel("tokens consumed")
-        axis.set_ylabel("loss (nats/token)")
+        axis.set_ylabel(unit)
         axis.grid(True, alpha=0.3)
         if logx:
             axis.set_xscale("log")
@@ -277,7 +325,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                         help="MLflow server (default: $MLFLOW_TRACKING_URI)")
     parser.add_argument("--output", default="compare.png", help="PNG path; tables go beside it")
-    parser.add_argument("--reference", help="CSV with tokens,val_loss columns to overlay")
+    parser.add_argument("--reference", help="CSV with tokens and val_loss and/or "
+                                            "bits_per_byte columns to overlay")
     parser.add_argument("--reference-label", default="reference")
     parser.add_argument("--logx", action="store_true", help="log-scale token axis")
     parser.add_argument("--dpi", type=int, default=100)
@@ -290,10 +339,11 @@ def run(args: argparse.Namespace) -> int:
     campaigns = load_campaigns(client, args.experiment)
     if not campaigns:
         raise SystemExit(f"compare: experiment {args.experiment!r} has no campaign runs")
-    reference = read_reference(Path(args.reference)) if args.reference else []
+    reference = read_reference_curves(Path(args.reference)) if args.reference else {}
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    figure = plot(campaigns, reference, args.reference_label, args.logx, args.experiment)
+    figure = plot(campaigns, reference.get(REFERENCE_LOSS, []), args.reference_label,
+                  args.logx, args.experiment, reference_bpb=reference.get(REFERENCE_BPB, []))
     figure.savefig(output, dpi=args.dpi)
     print(write_tables(campaigns, output), end="", flush=True)
     print(f"wrote {output}, {output.with_suffix('.csv')}, {output.with_suffix('.md')}",

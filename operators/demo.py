@@ -10,6 +10,7 @@ Everything it starts runs in its own process group, recorded under ``.demo/``, s
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -23,9 +24,14 @@ import urllib.request
 from pathlib import Path
 
 from jobscripts.common import process_group_alive
+from jobscripts.vocabulary import EVAL_METRICS
+from operators.campaign.adapters.checkpoint_eval_log import EVAL_TOKENS_CONSUMED
+from operators.campaign.dag.eval_dag import ANNOUNCED, EVALUATED, SKIPPED, eval_dag_id, read_ledger
+from operators.campaign.render import checkpoint_eval
 from operators.campaign.render.layout import Layout
 from operators.campaign.schema.load import load_campaign
 from operators.campaign.schema.naming import dag_id
+from operators.local_airflow import standalone_settings
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".demo"
@@ -33,8 +39,17 @@ CLUSTER_ENV = Path(os.environ.get("PP_CLUSTER_STATE", "/var/lib/pretrain-cluster
 AIRFLOW_PORT, MLFLOW_PORT = 8080, 5000
 DEMO = load_campaign(REPO / "dags" / "campaigns" / "demo.yaml")
 DAG_ID = dag_id(DEMO)
+EVAL_DAG_ID = eval_dag_id(DEMO)
 LAYOUT = Layout.for_campaign(DEMO)
 BIN = Path(sys.executable).parent
+# The evaluation DAG runs one checkpoint batch at a time (max_active_runs=1), and its tasks
+# wait on Slurm deferred, outside the pool's slots: one slot is all it uses.
+EVAL_POOL_SLOTS = 1
+ACTIVE_RUN_STATES = ("queued", "running")
+# After the campaign's run: its last checkpoint's evaluation is usually the one the final
+# evaluate reused, so little is left; bounded for a machine at load (vLLM's CPU engine start).
+EVAL_WAIT_S = 1200
+EVAL_POLL_S = 10
 
 
 def _say(message: str) -> None:
@@ -48,17 +63,9 @@ def _env() -> dict[str, str]:
     mlflow = {"conn_type": "http", "host": "127.0.0.1", "port": MLFLOW_PORT, "schema": "http",
               "extra": {"experiment": "demo"}}
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.update(standalone_settings(STATE / "airflow", REPO / "dags", AIRFLOW_PORT))
     env.update({
-        "AIRFLOW_HOME": str(STATE / "airflow"), "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
         "AIRFLOW__CORE__PARALLELISM": "4",
-        # Resume deferred tasks within 0.2 s of their trigger firing, not 1 s (README).
-        "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
-        "AIRFLOW__API__PORT": str(AIRFLOW_PORT),
-        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{AIRFLOW_PORT}",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{AIRFLOW_PORT}/execution/",
         "AIRFLOW_CONN_SLURM_LOCAL": match.group(1),
         "AIRFLOW_CONN_MLFLOW_DEFAULT": json.dumps(mlflow),
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
@@ -104,14 +111,41 @@ def _stack_urls() -> tuple[str, str]:
     return values["PP_STACK_AIRFLOW_URL"], values["PP_STACK_MLFLOW_URL"]
 
 
+def hold_demo_lock(path: Path):
+    """The open lock file that makes this the only ``make demo`` of the checkout (kept open
+    until the process ends): a second one, run from another terminal, would start a second
+    Airflow on the same home and trigger a second campaign run beside the first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(path, "a+")  # noqa: SIM115 - held for the life of the process
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise SystemExit(f"another `make demo` is running in this checkout (pid {holder}, "
+                         f"lock {path}): wait for it to end, or stop it and its servers with "
+                         "`make demo-down`") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
 def up(stack: str = "standalone") -> int:
     started = time.monotonic()
+    _lock = hold_demo_lock(STATE / "demo.lock")  # noqa: F841 - held until the process ends
     env = _env()
     if stack == "production":  # `make demo STACK=production` brought the stack up
         af, ml = _stack_urls()
         return _run_demo(env, af, ml, started)
     af = f"http://127.0.0.1:{AIRFLOW_PORT}"
     ml = f"http://127.0.0.1:{MLFLOW_PORT}"
+    if _recorded_alive():
+        # A finished demo leaves its servers up for the user to browse; this run starts them
+        # afresh (this checkout's code) rather than beside them on the same ports.
+        _say("stopping the previous demo's servers")
+        down()
     _start("mlflow", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port",
                       str(MLFLOW_PORT), "--workers", "1", "--backend-store-uri",
                       f"sqlite:///{STATE / 'mlflow.db'}", "--artifacts-destination",
@@ -126,6 +160,7 @@ def _run_demo(env: dict[str, str], af: str, ml: str, started: float) -> int:
     _wait("Airflow", lambda: _get(af + "/api/v2/monitor/health")["triggerer"]["status"]
           == "healthy", 300)
     _wait(f"DAG {DAG_ID} to be parsed", lambda: _get(f"{af}/api/v2/dags/{DAG_ID}"), 300)
+    _ensure_pool(af)
     # A fresh campaign each time: the demo shows the whole pipeline, not a no-op rerun.
     subprocess.run(["ssh", "-F", "/dev/null", "-o", "BatchMode=yes", *_ssh_args(env),
                     f"rm -rf {shlex.quote(LAYOUT.campaign_dir)}"], check=True)
@@ -135,9 +170,57 @@ def _run_demo(env: dict[str, str], af: str, ml: str, started: float) -> int:
     _say(f"triggered {DAG_ID} run {run_id}; watch it at {af}/dags/{DAG_ID}")
     state = _wait("the demo campaign", lambda: (s := _get(
         f"{af}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")["state"]) in ("success", "failed") and s,
-        1800, interval=5)
-    _report(af, ml, run_id, state, time.monotonic() - started)
+        3600, interval=5)  # 10 min on a quiet 2-core machine; 35+ at load 25
+    campaign_s = time.monotonic() - started
+    evals = _wait_for_evaluations(af) if DEMO.health.evaluate_checkpoints else []
+    _report(af, ml, run_id, state, campaign_s, evals, time.monotonic() - started)
     return 0 if state == "success" else 1
+
+
+def pool_request(campaign) -> dict:
+    """The POST /api/v2/pools body of the pool the campaign's evaluation DAG runs in."""
+    return {"name": campaign.health.eval_pool, "slots": EVAL_POOL_SLOTS,
+            "description": f"{eval_dag_id(campaign)}: checkpoint evaluations (docs/health.md)",
+            "include_deferred": False}
+
+
+def _ensure_pool(af: str) -> None:
+    """The evaluation DAG's pool, so a fresh clone needs no `airflow pools set` first."""
+    if not (DEMO.health.evaluate_checkpoints and DEMO.health.eval_pool):
+        return
+    body = pool_request(DEMO)
+    try:
+        _get(f"{af}/api/v2/pools", body, "POST")
+        _say(f"created the pool {body['name']} ({body['slots']} slot) for {EVAL_DAG_ID}")
+    except urllib.error.HTTPError as exc:
+        if exc.code != 409:  # 409: this Airflow home has it from an earlier demo
+            raise SystemExit(f"creating the pool {body['name']}: HTTP {exc.code} "
+                             f"{exc.read().decode(errors='replace')}") from None
+
+
+def _eval_runs(af: str) -> list[dict]:
+    return _get(f"{af}/api/v2/dags/{EVAL_DAG_ID}/dagRuns?limit=100")["dag_runs"]
+
+
+def _wait_for_evaluations(af: str) -> list[dict]:
+    """The evaluation DAG's runs once none is queued or running (two polls in a row: the
+    last segment's asset event may still be turning into a run), or after EVAL_WAIT_S."""
+    _say(f"waiting (up to {EVAL_WAIT_S // 60} min) for {EVAL_DAG_ID}'s runs to finish")
+    deadline, quiet = time.monotonic() + EVAL_WAIT_S, 0
+    runs: list[dict] = []
+    while True:
+        try:
+            runs = _eval_runs(af)
+            quiet = 0 if any(r["state"] in ACTIVE_RUN_STATES for r in runs) else quiet + 1
+        except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError):
+            quiet = 0
+        if quiet >= 2:
+            return runs
+        if time.monotonic() > deadline:
+            _say(f"{EVAL_DAG_ID} still has runs going after {EVAL_WAIT_S // 60} min: "
+                 "reporting what it finished")
+            return runs
+        time.sleep(EVAL_POLL_S)
 
 
 def _ssh_args(env: dict[str, str]) -> list[str]:
@@ -148,7 +231,8 @@ def _ssh_args(env: dict[str, str]) -> list[str]:
             f"{conn['login']}@{conn['host']}"]
 
 
-def _report(af: str, ml: str, run_id: str, state: str, seconds: float) -> None:
+def _report(af: str, ml: str, run_id: str, state: str, campaign_s: float,
+            eval_runs: list[dict], seconds: float) -> None:
     tasks = _get(f"{af}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
     for ti in sorted(tasks, key=lambda t: t["start_date"] or ""):
         _say(f"  {ti['task_id']:<20} {ti['state']}")
@@ -161,11 +245,15 @@ def _report(af: str, ml: str, run_id: str, state: str, seconds: float) -> None:
             _say(f"  segment {seg['start_iteration']:>3} -> {seg['end_iteration']:>3} "
                  f"({seg['stop_reason']}): lm loss {loss}, validation loss {val}")
     _say(f"  evaluation: {_evaluation_line(af, run_id)}")
+    if DEMO.health.evaluate_checkpoints:
+        _report_evaluations(af, ml, eval_runs)
     plot = STATE / "compare.png"
     subprocess.run([str(BIN / "pretrain-pipeline"), "compare", "demo", "--tracking-uri", ml,
                     "--output", str(plot)], check=False)
-    _say(f"demo campaign {state} in {seconds / 60:.1f} min")
-    _say(f"Airflow: {af}/dags/{DAG_ID}   MLflow: {ml}   loss plot: {plot}")
+    _say(f"demo campaign {state} in {campaign_s / 60:.1f} min, "
+         f"with its checkpoints' evaluations {seconds / 60:.1f} min")
+    _say(f"Airflow: {af}/dags/{DAG_ID}   MLflow: {ml}   "
+         f"loss and bits-per-byte plot: {plot}")
     _say("stop it all with `make demo-down`")
 
 
@@ -174,17 +262,93 @@ def _evaluation_line(af: str, run_id: str) -> str:
     try:
         value = _get(f"{af}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/evaluate/"
                      "xcomEntries/return_value")["value"]
-        result = (json.loads(value) if isinstance(value, str) else value)["result"]
+        value = json.loads(value) if isinstance(value, str) else value
+        result = value["result"]
+        reused = f", reused from {EVAL_DAG_ID} ({value['reused']})" if value.get("reused") else ""
         return (f"backend {result['backend']}, held-out perplexity {result['perplexity']:.2f}, "
                 f"bits per byte {result['bits_per_byte']:.3f} over "
-                f"{result['tokens_evaluated']} tokens")
+                f"{result['tokens_evaluated']} tokens{reused}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"no result ({type(exc).__name__}: {exc})"
 
 
+def _duration_s(ti: dict) -> float | None:
+    from datetime import datetime
+
+    if not (ti.get("start_date") and ti.get("end_date")):
+        return None
+    start, end = (datetime.fromisoformat(ti[k].replace("Z", "+00:00"))
+                  for k in ("start_date", "end_date"))
+    return (end - start).total_seconds()
+
+
+def _report_evaluations(af: str, ml: str, eval_runs: list[dict]) -> None:
+    """The evaluation DAG's runs (with each job's time: what the per-checkpoint evaluation
+    costs), the ledger's count, and one line per evaluated checkpoint from the campaign's
+    MLflow run: the curve the MLflow UI and `pretrain-pipeline compare` draw."""
+    for run in sorted(eval_runs, key=lambda r: r.get("start_date") or ""):
+        try:
+            tis = _get(f"{af}/api/v2/dags/{EVAL_DAG_ID}/dagRuns/{run['dag_run_id']}"
+                       "/taskInstances")["task_instances"]
+        except (OSError, ValueError, KeyError):
+            tis = []
+        times = ", ".join(f"{ti['task_id']} {ti['state']}"
+                          + (f" {d:.0f} s" if (d := _duration_s(ti)) is not None else "")
+                          for ti in sorted(tis, key=lambda t: t["start_date"] or ""))
+        _say(f"  {EVAL_DAG_ID} {run['dag_run_id']}: {run['state']} ({times})")
+    ledger = Path(checkpoint_eval.ledger_path(LAYOUT))
+    states = read_ledger(ledger.read_text() if ledger.exists() else None)
+    by_state = {s: sorted(i for i, v in states.items() if v == s)
+                for s in (EVALUATED, SKIPPED, ANNOUNCED)}
+    _say(f"  checkpoints evaluated: {len(by_state[EVALUATED])} {by_state[EVALUATED]}; "
+         f"skipped (retention): {by_state[SKIPPED]}; not evaluated: {by_state[ANNOUNCED]}")
+    try:
+        mlflow_run = Path(LAYOUT.mlflow_run_id).read_text().strip()
+        histories = {key: _get(f"{ml}/api/2.0/mlflow/metrics/get-history?run_id={mlflow_run}"
+                               f"&metric_key={key}").get("metrics") or []
+                     for key in EVALUATION_CURVE}
+    except (OSError, ValueError) as exc:
+        _say(f"  no evaluation curve in MLflow ({type(exc).__name__}: {exc})")
+        return
+    for line in evaluation_lines(histories):
+        _say(f"  {line}")
+
+
+# The campaign run's metrics one line per evaluated checkpoint shows, at step = iteration.
+EVALUATION_CURVE = (EVAL_METRICS["bits_per_byte"], EVAL_METRICS["perplexity"],
+                    EVAL_TOKENS_CONSUMED)
+
+
+def evaluation_lines(histories: dict[str, list[dict]]) -> list[str]:
+    """MLflow's metric histories (``metrics/get-history``'s ``metrics`` lists, per key of
+    EVALUATION_CURVE) -> one line per iteration that has bits per byte, oldest first; a step
+    logged twice keeps its newest value, as MLflow's charts do."""
+    columns: dict[str, dict[int, float]] = {}
+    for key, points in histories.items():
+        latest: dict[int, float] = {}
+        for point in sorted(points, key=lambda p: int(p.get("timestamp", 0))):
+            latest[int(point.get("step", 0))] = float(point["value"])
+        columns[key] = latest
+    bpb, ppl, tokens = (columns.get(key, {}) for key in EVALUATION_CURVE)
+    lines = []
+    for iteration in sorted(bpb):
+        seen = f"{tokens[iteration]:,.0f} tokens" if iteration in tokens else "tokens unknown"
+        perplexity = f"{ppl[iteration]:.2f}" if iteration in ppl else "-"
+        lines.append(f"checkpoint iteration {iteration:>4} ({seen}): bits per byte "
+                     f"{bpb[iteration]:.3f}, perplexity {perplexity}")
+    return lines
+
+
+SERVERS = ("airflow", "mlflow")
+
+
+def _recorded_alive() -> bool:
+    return any(process_group_alive(int((STATE / f"{name}.pgid").read_text()))
+               for name in SERVERS if (STATE / f"{name}.pgid").exists())
+
 
 def down() -> int:
-    for name in ("airflow", "mlflow"):
+    for name in SERVERS:
         pgid_file = STATE / f"{name}.pgid"
         if not pgid_file.exists():
             continue

@@ -92,6 +92,17 @@ def local_cluster() -> dict:
     return cluster.connection()
 
 
+@pytest.fixture
+def hook(local_cluster, monkeypatch):
+    """A ``SlurmHook`` on the local cluster, its connection from the environment as Airflow
+    reads ``AIRFLOW_CONN_*``. (paramiko: imported when a test asks, not at collection.)"""
+    from operators.slurm.hook import SlurmHook
+
+    for name, value in cluster.connection_env().items():
+        monkeypatch.setenv(name, value)
+    return SlurmHook(cluster.CONN_ID)
+
+
 @pytest.fixture(scope="session")
 def dags_test_env(local_cluster, tmp_path_factory) -> dict[str, str]:
     """An Airflow home with a migrated SQLite DB for ``airflow dags test``."""
@@ -103,9 +114,12 @@ def dags_test_env(local_cluster, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def standalone(local_cluster, tmp_path_factory):
-    """One real ``airflow standalone`` (scheduler, triggerer, dag-processor, api-server)."""
+    """One real ``airflow standalone`` (scheduler, triggerer, dag-processor, api-server), on
+    port 18080 unless ``PP_TEST_AIRFLOW_PORT`` names another (so that two developers' runs of
+    lane A's modules on one machine need not wait for each other)."""
     home = tmp_path_factory.mktemp("airflow-standalone")
-    server = Standalone(airflow_env(home, DAGS), home / "standalone.log").start()
+    port = int(os.environ.get("PP_TEST_AIRFLOW_PORT", "18080"))
+    server = Standalone(airflow_env(home, DAGS, port=port), home / "standalone.log").start()
     yield server
     server.stop()
     if os.environ.get("PP_KEEP_AIRFLOW_LOGS"):

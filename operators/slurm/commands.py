@@ -32,6 +32,11 @@ KEY_LOOKBACK = "now-30days"
 # submits its own job instead of failing with the cancelled one.
 KILLED_JOBS = ".killed-jobs"
 
+# Ids of jobs a log watcher stopped (docs/log-watch.md), one per line, in the run dir: such a
+# job may end COMPLETED (it saved on SIGTERM and exited 0), and the task's retry must not
+# re-attach to it as a finished result.
+STOPPED_JOBS = ".stopped-jobs"
+
 # scancel on a job that already ended is a success for us: cancel is idempotent.
 CANCEL_ALREADY_DONE = ("already completing or completed", "Invalid job id specified")
 
@@ -78,6 +83,11 @@ def sinfo_nodes(partition: str | None = None) -> str:
     return _join(argv)
 
 
+def sinfo_node_states(nodelist: str) -> str:
+    """One line per node of ``nodelist``: its name and compact state (nodes.unhealthy_nodes)."""
+    return _join(["sinfo", "--noheader", "--Node", "--format=%N %t", "--nodes=" + nodelist])
+
+
 def sinfo_node_count(output: str) -> int:
     """The node count from :func:`sinfo_nodes`'s output: only lines that are a number
     (a login banner's words are not nodes)."""
@@ -92,6 +102,17 @@ def scancel(job_id: str, killed_in: str | None = None) -> str:
         return cancel
     note = posixpath.join(killed_in, KILLED_JOBS)
     return f"printf '%s\\n' {shlex.quote(job_id)} >> {shlex.quote(note)}; {cancel}"
+
+
+def scancel_signal(job_id: str, signal: str, stopped_in: str | None = None) -> str:
+    """``scancel --signal``: to the batch shell and every step (``--full``), as Slurm signals
+    a job at its time limit, so a trainer that runs under srun or as the batch shell sees it.
+    With ``stopped_in`` (the job's run dir), first note the job there (:data:`STOPPED_JOBS`)."""
+    send = _join(["scancel", "--full", "--signal=" + signal, job_id])
+    if stopped_in is None:
+        return send
+    note = posixpath.join(stopped_in, STOPPED_JOBS)
+    return f"printf '%s\\n' {shlex.quote(job_id)} >> {shlex.quote(note)}; {send}"
 
 
 def check_cancel(job_id: str, returncode: int, stderr: str) -> None:

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from operators.slurm.parse import JobRecord
+from operators.slurm.watch import LogFinding, WatchSpec
 from operators.slurm.wire import ABSENT, JsonMessage
 
 # JobEvent.status
 TERMINAL = "terminal"  # the job ended and its state settled
 ERROR = "error"  # polling failed past its budget, or Slurm named a state we do not know
+WATCHED = "watched"  # a log watcher ended the wait before the job's end (slurm/watch.py)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,11 @@ class JobRequest(JsonMessage):
     environment: Mapping[str, str] = field(default_factory=dict)
     files: Mapping[str, str] = field(default_factory=dict)
     result_file: str | None = None
+    # Log-stream watchers for the job's wait (docs/log-watch.md); not part of its JSON, which
+    # is the operator's arguments.
+    watchers: tuple[WatchSpec, ...] = ()
+
+    json_omit = frozenset({"watchers"})
 
     def with_environment(self, extra: Mapping[str, str]) -> JobRequest:
         """This request with ``extra`` exported too (``extra`` wins)."""
@@ -61,14 +68,17 @@ class JobEvent(JsonMessage):
     JSON when the trigger read it (it may be None: an empty file); :data:`ABSENT` when it
     did not, and the task reads it itself."""
 
-    status: str  # TERMINAL or ERROR
+    status: str  # TERMINAL, ERROR or WATCHED
     job_id: str
     log_offset: int = 0
-    outcome: str | None = None  # an Outcome's value, for TERMINAL
-    record: JobRecord | None = None  # for TERMINAL
+    outcome: str | None = None  # an Outcome's value, for TERMINAL and WATCHED
+    record: JobRecord | None = None  # for TERMINAL; WATCHED: the last one seen
     message: str | None = None  # for ERROR
     result: Any = ABSENT
     log_tail: str | None = None  # of a failed job's log, when the trigger read it
+    findings: tuple[LogFinding, ...] = ()  # the log watchers' (docs/log-watch.md)
+
+    json_omit_empty = frozenset({"findings"})
 
     @property
     def result_read(self) -> bool:
@@ -86,3 +96,6 @@ class JobSummary(JsonMessage):
     run_dir: str | None
     log_path: str | None
     result: Any = None
+    findings: tuple[LogFinding, ...] = ()  # the log watchers', as in the JobEvent
+
+    json_omit_empty = frozenset({"findings"})

@@ -47,10 +47,32 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return nodes
 
 
-def retry_exclusions(failed_nodelist: str, cluster_nodes: int, nodes_needed: int) -> str | None:
+# sinfo's compact states (%t) of a node that must not get the retry: down, drained or
+# draining, failed or failing; a trailing "*" (any state) means not responding.
+_UNHEALTHY = ("down", "drain", "drng", "drained", "draining", "fail", "failg", "failing")
+
+
+def unhealthy_nodes(sinfo_output: str) -> set[str]:
+    """Nodes ``sinfo --Node --format='%N %t'`` shows down, draining, failed or not
+    responding (e.g. ``node2 down*``); lines that are not two words (a banner) are skipped."""
+    found = set()
+    for line in sinfo_output.splitlines():
+        words = line.split()
+        if len(words) != 2 or not _NODE.match(words[0]):
+            continue
+        state = words[1].lower()
+        if state.endswith("*") or state.rstrip("~#!%$@^-+") in _UNHEALTHY:
+            found.add(words[0])
+    return found
+
+
+def retry_exclusions(failed_nodelist: str, cluster_nodes: int, nodes_needed: int,
+                     unhealthy: set[str] | frozenset[str] = frozenset()) -> str | None:
     """Nodes a retry after a node failure should avoid, when the cluster can spare them.
 
-    On a cluster too small to run the job without them (the single-node local cluster),
+    All of the failed job's nodes when the cluster can run the job without them; otherwise
+    only those of them that are ``unhealthy`` now (a 2-node job on 3 nodes, one of which
+    went down), when that leaves enough. On a cluster too small to run the job without them,
     excluding would leave the retry pending forever, so nothing is excluded; nor when
     Slurm recorded no nodes (``None assigned``) or a list we cannot read.
     """
@@ -62,6 +84,9 @@ def retry_exclusions(failed_nodelist: str, cluster_nodes: int, nodes_needed: int
         return None
     if not failed or not all(_NODE.match(n) for n in failed):
         return None
-    if cluster_nodes - len(failed) < nodes_needed:
-        return None
-    return ",".join(failed)
+    if cluster_nodes - len(failed) >= nodes_needed:
+        return ",".join(failed)
+    broken = [n for n in failed if n in unhealthy]
+    if broken and cluster_nodes - len(broken) >= nodes_needed:
+        return ",".join(broken)
+    return None

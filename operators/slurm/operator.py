@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, literal
 
+from operators.slurm import commands
 from operators.slurm.errors import ClusterUnreachable, SlurmCommandError, SlurmJobFailed
 from operators.slurm.jobkey import job_key
 from operators.slurm.links import SlurmJobLink, SlurmLogLink, job_url, log_url
 from operators.slurm.messages import (
     ERROR,
     TERMINAL,
+    WATCHED,
     JobEvent,
     JobLocation,
     JobRequest,
@@ -34,8 +36,9 @@ from operators.slurm.messages import (
 )
 from operators.slurm.parse import JobRecord
 from operators.slurm.spec import ContainerSpec, JobSpec
-from operators.slurm.states import Outcome, SettleGate, classify
-from operators.slurm.trigger import SlurmJobTrigger
+from operators.slurm.states import COMPLETING, Outcome, SettleGate, classify
+from operators.slurm.trigger import WATCH_LOG_MARK, SlurmJobTrigger
+from operators.slurm.watch import LogWatch, StopStep, Tick, failure_reason
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -197,6 +200,11 @@ class SlurmJobOperator(BaseOperator):
         return JobRequest(self.command, self.job, self.environment, self.files,
                           self.result_file)
 
+    def on_job_found(self, context: Context, record: JobRecord) -> None:
+        """Called once this task's job is known, submitted or re-attached, before the task
+        waits for it (extension point; the segment operator pre-queues the next segments
+        here). ``record``: the job as squeue/sacct showed it then."""
+
     def on_job_end(self, context: Context, summary: JobSummary,
                    failure: SlurmJobFailed | None) -> None:
         """Called once the job ended and its result was read (extension point). ``failure``:
@@ -211,6 +219,10 @@ class SlurmJobOperator(BaseOperator):
                              f"{request.result_file!r} is not the operator's "
                              f"{self.result_file!r}")
         key = self.job_key(context)
+        watch = LogWatch(tuple(request.watchers))  # a bad watcher fails here too, before SSH
+        if watch and request.job.get("array"):
+            raise ValueError(f"{self.task_id}: log watchers read one log; an array job has one "
+                             "per task")
         # Validate before any SSH: a bad spec fails here, naming its field.
         environment = {PYTHON_ENV: self.hook.settings.remote_python, **request.environment}
         spec = build_spec(key, "/pending", request.command, request.job, environment)
@@ -221,6 +233,7 @@ class SlurmJobOperator(BaseOperator):
         self._job_id, self._run_dir = record.job_id, run_dir
         log_path = log_path_for(spec, record.job_id)
         self._persist(context, JobLocation(record.job_id, log_path, run_dir))
+        self.on_job_found(context, record)
         if not self.wait_for_completion:
             return SubmittedJob(record.job_id, record.state, run_dir, log_path).to_json()
         try:
@@ -236,21 +249,34 @@ class SlurmJobOperator(BaseOperator):
                 ssh_conn_id=self.ssh_conn_id, job_id=record.job_id, log_path=log_path,
                 poll_interval=self.poll_interval, unknown_budget_s=self.unknown_budget_s,
                 result_path=result_path, job_name=key,
-                log_pattern=log_pattern_for(spec, record.job_id) if spec.array else None),
+                log_pattern=log_pattern_for(spec, record.job_id) if spec.array else None,
+                watch=watch.to_json() if watch else None),
                 method_name="execute_complete")
-        return self._complete(context, self._wait_in_worker(record.job_id, log_path, key))
+        return self._complete(context, self._wait_in_worker(record.job_id, log_path, key,
+                                                            watch))
 
     def _attach_or_submit(self, spec: JobSpec, run_dir: str, key: str,
                           files: Mapping[str, str]) -> JobRecord:
         found = self.hook.find_by_key(key)
         if found is not None:
             outcome = classify(found.state)
-            if outcome in (Outcome.ACTIVE, Outcome.SUCCESS):
+            # A job the log watch stopped is the failed try's, never one to re-attach to: it
+            # may have saved on SIGTERM and ended COMPLETED, or still be dying (COMPLETING
+            # while Slurm's KillWait runs, after a cancel it ignored SIGTERM through).
+            stopped = outcome in (Outcome.ACTIVE, Outcome.SUCCESS) and self._stopped_by_watch(
+                found.job_id, run_dir)
+            # Nor one an earlier try's kill cancelled that is still dying (COMPLETING while
+            # KillWait runs): this try's successors would be queued behind a dead job.
+            dying = found.state == COMPLETING and found.job_id in self.hook.killed_jobs(
+                run_dir)
+            if outcome in (Outcome.ACTIVE, Outcome.SUCCESS) and not (stopped or dying):
                 self.log.info("re-attaching to Slurm job %s (%s) for key %s",
                               found.job_id, found.state, key)
                 return found
-            self.log.info("earlier job %s for key %s ended %s; submitting this try's job",
-                          found.job_id, key, found.state)
+            self.log.info("earlier job %s for key %s ended %s%s; submitting this try's job",
+                          found.job_id, key, found.state,
+                          " (stopped by the log watch)" if stopped else
+                          " (cancelled by an earlier try's kill)" if dying else "")
             if outcome is Outcome.RETRYABLE:
                 spec = self._avoid_failed_nodes(spec, found)
         if self.result_file:
@@ -271,12 +297,23 @@ class SlurmJobOperator(BaseOperator):
         return (self.hook.describe(job_id, name=key)
                 or JobRecord(job_id=job_id, name=key, state="PENDING"))
 
+    def _stopped_by_watch(self, job_id: str, run_dir: str) -> bool:
+        """Whether a log watcher stopped ``job_id`` (``commands.STOPPED_JOBS``)."""
+        data = self.hook.read_bytes(posixpath.join(run_dir, commands.STOPPED_JOBS))
+        return job_id in data.decode().split()
+
     def _avoid_failed_nodes(self, spec: JobSpec, failed: JobRecord) -> JobSpec:
         """After NODE_FAIL/PREEMPTED/BOOT_FAIL, keep the retry off the nodes that failed."""
-        from operators.slurm.nodes import retry_exclusions
+        from operators.slurm.nodes import NO_NODES, retry_exclusions, unhealthy_nodes
 
         available = self.hook.node_count(spec.partition)
-        exclude = retry_exclusions(failed.nodelist, available, spec.nodes or 1)
+        unhealthy: set[str] = set()
+        if failed.nodelist.strip() not in NO_NODES:
+            # Which of them failed, for when the cluster cannot spare them all (one SSH
+            # command, on a retry after a node failure only; unreadable: none known).
+            rc, out, _ = self.hook.run(commands.sinfo_node_states(failed.nodelist.strip()))
+            unhealthy = unhealthy_nodes(out) if rc == 0 else set()
+        exclude = retry_exclusions(failed.nodelist, available, spec.nodes or 1, unhealthy)
         if exclude is None:
             self.log.info("retry after %s on %s: not excluding them (%s node(s) in the "
                           "partition, the job needs %s)", failed.state, failed.nodelist,
@@ -306,16 +343,21 @@ class SlurmJobOperator(BaseOperator):
         return JobLocation.from_json(info) if info else None
 
     # -- waiting in the worker (deferrable=False) -------------------------------
-    def _wait_in_worker(self, job_id: str, log_path: str,
-                        key: str | None = None) -> JobEvent:
+    def _wait_in_worker(self, job_id: str, log_path: str, key: str | None = None,
+                        watch: LogWatch | None = None) -> JobEvent:
+        """The trigger's wait, blocking: the same log streaming, states and log watchers
+        (stopping the job through this worker's hook instead of the poller)."""
         offset, unknown_since, gate = 0, None, SettleGate()
+        watch = watch or LogWatch()
         while True:
             time.sleep(self.poll_interval)
             try:
                 data = self.hook.read_bytes(log_path, offset)
                 cut = data.rfind(b"\n") + 1
-                for line in data[:cut].decode("utf-8", "replace").splitlines():
+                lines = data[:cut].decode("utf-8", "replace").splitlines()
+                for line in lines:
                     self.log.info("[slurm %s] %s", job_id, line)
+                watch.feed(lines)
                 offset += cut
                 record = self.hook.describe(job_id, name=key)  # key: not a reused id
             except (ClusterUnreachable, SlurmCommandError) as exc:
@@ -329,8 +371,34 @@ class SlurmJobOperator(BaseOperator):
                 continue
             unknown_since = None
             outcome = classify(record.state)
+            if watch and not outcome.terminal:
+                self._run_watchers_here(watch, job_id, posixpath.dirname(log_path),
+                                        record.state == "RUNNING")
+                if watch.ends_wait:
+                    return JobEvent(WATCHED, job_id, outcome=outcome.value, record=record,
+                                    findings=tuple(watch.findings))
             if gate.final(outcome, record.source, time.monotonic()):
-                return JobEvent(TERMINAL, job_id, outcome=outcome.value, record=record)
+                return JobEvent(TERMINAL, job_id, outcome=outcome.value, record=record,
+                                findings=tuple(watch.findings))
+
+    def _run_watchers_here(self, watch: LogWatch, job_id: str, run_dir: str,
+                           running: bool) -> None:
+        before = len(watch.findings)
+        steps = watch.tick(Tick(time.time(), running))
+        for finding in watch.findings[before:]:
+            self.log.warning("%s %s", WATCH_LOG_MARK, json.dumps(finding.to_json()))
+        for step in steps:
+            try:
+                if step is StopStep.SIGNAL:
+                    self.hook.check(commands.scancel_signal(job_id, "TERM", run_dir))
+                else:
+                    self.hook.cancel(job_id)
+            except (ClusterUnreachable, SlurmCommandError) as exc:
+                self.log.warning("could not %s Slurm job %s: %s", step.value, job_id, exc)
+                continue
+            watch.done(step, time.time())
+            self.log.warning("Slurm job %s: %s (log watch: %s)", job_id, step.value,
+                             watch.stopping.reason)
 
     # -- completion ------------------------------------------------------------
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
@@ -341,11 +409,18 @@ class SlurmJobOperator(BaseOperator):
         self._job_id = job_id
         where = self.job_location(context) or JobLocation(job_id, None, None)
         self._run_dir = where.run_dir
-        if event.status != TERMINAL:
+        if event.status not in (TERMINAL, WATCHED):
             raise ClusterUnreachable(event.message or "polling failed")
         record = event.record
         failure = None
-        if event.outcome not in self.success_outcomes:
+        watched = failure_reason(event.findings)
+        if watched is not None:
+            # A log watcher stopped the job or ended the wait: its reason is the error, whatever
+            # the job's end (one that saved on SIGTERM may end COMPLETED). Retryable.
+            failure = SlurmJobFailed(
+                f"{watched} [Slurm job {job_id}: {record.state} {record.state_detail}".rstrip()
+                + f", exit code {record.exit_code}, log {where.log_path}]")
+        elif event.outcome not in self.success_outcomes:
             if self._cancelled_by_earlier_kill(record, where):
                 self.log.info("Slurm job %s was cancelled because an earlier try of this task "
                               "was killed (cleared): this try submits its own job", job_id)
@@ -358,7 +433,8 @@ class SlurmJobOperator(BaseOperator):
                 + f" (exit code {record.exit_code}, signal {record.signal}, "
                 f"classified {event.outcome}); last lines of {where.log_path}:\n{tail}")
         summary = JobSummary(job_id, event.outcome, record, where.run_dir, where.log_path,
-                             self._result(event, where, quiet=failure is not None))
+                             self._result(event, where, quiet=failure is not None),
+                             findings=event.findings)
         self.on_job_end(context, summary, failure)
         if failure is not None:
             raise failure

@@ -161,6 +161,12 @@ class ClusterPoller:
         rc, _, err = await self.run(commands.scancel(job_id, killed_in))
         commands.check_cancel(job_id, rc, err)
 
+    async def signal(self, job_id: str, signal: str, stopped_in: str | None = None) -> None:
+        """Send ``signal`` to the job (batch shell and steps), on this connection: a log
+        watcher stopping a job needs no SSH connection of its own."""
+        rc, _, err = await self.run(commands.scancel_signal(job_id, signal, stopped_in))
+        commands.check_cancel(job_id, rc, err)
+
     # -- polling ---------------------------------------------------------------
     async def _query(self, job_ids: list[str]) -> query.Status:
         """One round of :func:`operators.slurm.query.status` on this connection."""

@@ -20,8 +20,10 @@ class Outcome(StrEnum):
         return self not in (Outcome.ACTIVE, Outcome.UNKNOWN)
 
 
+# Ended but not yet gone: KillWait (after a cancel, before SIGKILL) or the epilog still runs.
+COMPLETING = "COMPLETING"
 ACTIVE_STATES = frozenset(
-    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED",
+    {"PENDING", "CONFIGURING", "RUNNING", COMPLETING, "REQUEUED", "REQUEUE_FED",
      "REQUEUE_HOLD", "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED",
      "RESV_DEL_HOLD", "SPECIAL_EXIT", "POWER_UP_NODE", "UPDATE_DB"}
 )

@@ -18,10 +18,12 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators.slurm.jobids import parse_job_id
-from operators.slurm.messages import ERROR, TERMINAL, JobEvent
+from operators.slurm.messages import ERROR, TERMINAL, WATCHED, JobEvent
 from operators.slurm.parse import job_view
 from operators.slurm.poller import ClusterPoller
 from operators.slurm.states import Outcome, SettleGate, UnknownSlurmState, classify
+from operators.slurm.stream_mark import StreamMark, mark_path, new_token, read_mark, write_mark
+from operators.slurm.watch import LogWatch, StopStep, Tick
 
 # Job-log bytes forwarded per round: enough for chatty jobs, bounded for the triggerer.
 LOG_CHUNK = 256 * 1024
@@ -29,6 +31,7 @@ LOG_CHUNK = 256 * 1024
 # SSH connection of its own; a bigger one is read by the task.
 RESULT_IN_EVENT_MAX = 64 * 1024
 LOG_TAIL_BYTES = 4000  # of a failed job's log, for the task's error
+WATCH_LOG_MARK = "log watch finding:"  # then the LogFinding's JSON, on one task-log line
 
 
 class SlurmJobTrigger(BaseTrigger):
@@ -43,7 +46,8 @@ class SlurmJobTrigger(BaseTrigger):
                  log_offset: int = 0, poll_interval: float = 5.0,
                  unknown_budget_s: float = 600.0, result_path: str | None = None,
                  job_name: str | None = None, log_pattern: str | None = None,
-                 log_offsets: dict[str, int] | None = None) -> None:
+                 log_offsets: dict[str, int] | None = None,
+                 watch: dict[str, Any] | None = None, stream_token: str | None = None) -> None:
         super().__init__()
         self.ssh_conn_id = ssh_conn_id
         self.job_id = job_id
@@ -61,6 +65,14 @@ class SlurmJobTrigger(BaseTrigger):
         self.result_path = result_path
         # The job's key: a job Slurm gave the same id after a controller reset is not ours.
         self.job_name = job_name
+        # Log-stream watchers (slurm/watch.py, docs/log-watch.md), their state and findings:
+        # in the kwargs too. They read the one log of a job that is not an array.
+        self.watch = LogWatch.from_json(watch)
+        # This deferral's log stream (slurm/stream_mark.py): a trigger rebuilt from these kwargs
+        # by the triggerer that takes it over has the same token, and goes on from the offsets
+        # the dead one left beside the job, not from the deferral's.
+        self.stream_token = stream_token or new_token()
+        self._mark_failed = False  # said once in the task log, not every round
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
@@ -69,7 +81,48 @@ class SlurmJobTrigger(BaseTrigger):
             "poll_interval": self.poll_interval, "unknown_budget_s": self.unknown_budget_s,
             "result_path": self.result_path, "job_name": self.job_name,
             "log_pattern": self.log_pattern, "log_offsets": dict(self.log_offsets),
+            "watch": self.watch.to_json() if self.watch else None,
+            "stream_token": self.stream_token,
         })
+
+    @property
+    def _mark_path(self) -> str | None:
+        log = self.log_pattern or self.log_path
+        return mark_path(log, self.job_id) if log else None
+
+    async def _resume_stream(self, poller: ClusterPoller) -> None:
+        """Go on from the offsets an earlier trigger of this stream left (a takeover)."""
+        if self._mark_path is None:
+            return
+        try:
+            mark = await read_mark(poller, self._mark_path)
+        except Exception as exc:  # noqa: BLE001 - streaming from the kwargs' offsets is safe
+            self.log.warning("job %s: log stream mark %s not read, streaming from byte %d: %s",
+                             self.job_id, self._mark_path, self.log_offset, exc)
+            return
+        resumed = mark and mark.resume(self.stream_token, self.log_offset, self.log_offsets)
+        if not resumed:
+            return
+        if resumed.log_offset > self.log_offset or resumed.log_offsets != self.log_offsets:
+            self.log.info("job %s: log stream resumed at byte %d (from %d), as an earlier "
+                          "triggerer left it", self.job_id, resumed.log_offset, self.log_offset)
+        self.log_offset, self.log_offsets = resumed.log_offset, dict(resumed.log_offsets)
+        if resumed.watch is not None:
+            self.watch = LogWatch.from_json(resumed.watch)
+
+    async def _save_stream(self, poller: ClusterPoller) -> None:
+        """Write this stream's offsets beside the job, on the poller's SFTP channel."""
+        mark = StreamMark(self.stream_token, self.log_offset, dict(self.log_offsets),
+                          self.watch.to_json() if self.watch else None)
+        try:
+            await write_mark(poller, self._mark_path, mark)
+            self._mark_failed = False
+        except Exception as exc:  # noqa: BLE001 - a takeover would repeat lines, no more
+            if not self._mark_failed:
+                self.log.warning("job %s: log stream mark %s not written (a takeover would "
+                                 "stream some lines again): %s", self.job_id, self._mark_path,
+                                 exc)
+            self._mark_failed = True
 
     async def _outputs(self, poller: ClusterPoller, outcome: Outcome) -> dict[str, Any]:
         """:class:`JobEvent`'s ``result`` and, unless the job succeeded, its ``log_tail`` (for
@@ -91,7 +144,14 @@ class SlurmJobTrigger(BaseTrigger):
 
     async def _stream_log(self, poller: ClusterPoller) -> None:
         """Forward the new whole lines of the job's log, or of each array task's log (each
-        line prefixed with its task's id), read by byte offset on the poller's connection."""
+        line prefixed with its task's id), read by byte offset on the poller's connection;
+        then, if lines went to the task log, where the stream got to, beside the job."""
+        before = (self.log_offset, dict(self.log_offsets))
+        await self._stream_logs(poller)
+        if self._mark_path and (self.log_offset, self.log_offsets) != before:
+            await self._save_stream(poller)
+
+    async def _stream_logs(self, poller: ClusterPoller) -> None:
         if self.log_pattern is None:
             if self.log_path:
                 self.log_offset, _ = await self._forward(poller, self.log_path,
@@ -134,8 +194,11 @@ class SlurmJobTrigger(BaseTrigger):
                 cut = data.rfind(b"\n") + 1 if len(data) < LOG_CHUNK else len(data)
                 if cut == 0:
                     return offset, True
-                for line in data[:cut].decode("utf-8", "replace").splitlines():
+                lines = data[:cut].decode("utf-8", "replace").splitlines()
+                for line in lines:
                     self.log.info("[slurm %s] %s", label, line)
+                if self.log_pattern is None:
+                    self.watch.feed(lines)
                 offset += cut
                 if len(data) < LOG_CHUNK:
                     return offset, True
@@ -156,7 +219,30 @@ class SlurmJobTrigger(BaseTrigger):
     def _event(self, status: str, **fields: Any) -> TriggerEvent:
         """A :class:`JobEvent`, as the JSON Airflow stores (the task reads it back typed)."""
         return TriggerEvent(JobEvent(status=status, job_id=self.job_id,
-                                     log_offset=self.log_offset, **fields).to_json())
+                                     log_offset=self.log_offset,
+                                     findings=tuple(self.watch.findings), **fields).to_json())
+
+    async def _run_watchers(self, poller: ClusterPoller, running: bool) -> None:
+        """The log watchers' round; stop the job as they ask, on the poller's connection."""
+        before = len(self.watch.findings)
+        steps = self.watch.tick(Tick(time.time(), running))
+        for finding in self.watch.findings[before:]:
+            # One line per finding, for people and for the goodput bench (docs/log-watch.md).
+            self.log.warning("%s %s", WATCH_LOG_MARK, json.dumps(finding.to_json()))
+        run_dir = posixpath.dirname(self.log_path) if self.log_path else None
+        for step in steps:
+            try:
+                if step is StopStep.SIGNAL:
+                    await poller.signal(self.job_id, "TERM", stopped_in=run_dir)
+                else:
+                    await poller.cancel(self.job_id)
+            except Exception as exc:  # noqa: BLE001 - asked again at the next round
+                self.log.warning("could not %s Slurm job %s: %s", step.value, self.job_id, exc)
+                continue
+            self.watch.done(step, time.time())
+            self.log.warning("Slurm job %s: %s (log watch: %s)", self.job_id,
+                             "SIGTERM sent" if step is StopStep.SIGNAL else "cancelled",
+                             self.watch.stopping.reason)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
@@ -164,6 +250,7 @@ class SlurmJobTrigger(BaseTrigger):
         seq, unknown_since, last_state, degraded = 0, None, None, False
         gate = SettleGate()
         try:
+            await self._resume_stream(poller)
             while True:
                 snap = await poller.wait(seq)
                 seq = snap.seq
@@ -189,6 +276,11 @@ class SlurmJobTrigger(BaseTrigger):
                 if seen != last_state:  # e.g. "PENDING requeued after NODE_FAIL"
                     self.log.info("Slurm job %s is %s", self.job_id, seen)
                     last_state = seen
+                if self.watch and not outcome.terminal:
+                    await self._run_watchers(poller, record.state == "RUNNING")
+                    if self.watch.ends_wait:
+                        yield self._event(WATCHED, outcome=outcome.value, record=record)
+                        return
                 if gate.final(outcome, record.source, time.monotonic()):
                     await asyncio.sleep(0)  # let the log's last write land before the drain
                     await self._stream_log(poller)

@@ -65,19 +65,25 @@ def _decode(kind: Any, value: Any) -> Any:
     if kind is datetime:
         return datetime.fromisoformat(value)
     if typing.get_origin(kind) is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[Message, ...]
+            return tuple(_decode(args[0], v) for v in value)
         return tuple(value)
     return value
 
 
 class JsonMessage:
     """Base of a frozen dataclass sent as JSON. ``json_omit``: fields kept out of the JSON (read
-    back as their defaults); a field whose value is :data:`ABSENT` is left out."""
+    back as their defaults), ``json_omit_empty``: kept out while empty; a field whose value is
+    :data:`ABSENT` is left out."""
 
     json_omit: ClassVar[frozenset[str]] = frozenset()
+    # Fields left out while empty: added later, so that payloads without them keep their keys.
+    json_omit_empty: ClassVar[frozenset[str]] = frozenset()
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if f.name not in self.json_omit and getattr(self, f.name) is not ABSENT}
+                if f.name not in self.json_omit and getattr(self, f.name) is not ABSENT
+                and not (f.name in self.json_omit_empty and not getattr(self, f.name))}
 
     @classmethod
     def from_json(cls: type[M], data: Mapping[str, Any]) -> M:

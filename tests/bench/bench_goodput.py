@@ -1,116 +1,114 @@
-"""Benchmark: goodput of a real reference campaign chained serially by Airflow (issue 15 §5).
+"""Benchmark: goodput of a real reference campaign, chained serially and pre-queued (issue 15 §5).
 
     python -m tests.bench.bench_goodput      (from the repository root; not collected by pytest)
 
-One campaign of four 5-iteration segments (the reference trainer on a tiny Llama, tracking
-off, no data stage: its tokenizer and Megatron dataset are made here first, in-process, by
-the data stage's own jobscripts) runs under a real ``airflow standalone`` on the local
-cluster, each segment submitted after the one before ended, as today. Then
-operators/tracking/goodput.py computes its figures from the segment records and job logs, as
-the campaign's register step does. Prints one JSON line:
+The same campaign (four 5-iteration segments of the reference trainer on a tiny Llama,
+tracking off; its tokenizer and Megatron dataset made here first, in-process, by the data
+stage's own jobscripts; tests/support/reference_campaign.py) runs twice under one real
+``airflow standalone`` on the local cluster, one after the other: with
+``segments.prequeue_depth: 0`` (each segment submitted after the one before ended, as before
+issue 15) and with ``prequeue_depth: 1`` (docs/prequeue.md). Its DAG is the segment chain
+only. Then operators/tracking/goodput.py computes each run's figures from the segment
+records and job logs, as the campaign's register step does. Prints one JSON line:
 
-``{"bench": "goodput", "segments": N, "serial_gap_s": X, "startup_s": X,
-"goodput_serial": X, ...}``: the gap is one segment job's sacct End to the next one's Start
-(median), start-up a job's Start to its first training step (median), reported apart;
-goodput = training-step time / allocated time. Pre-queueing (issue 15 §1) is not part of it.
+``{"bench": "goodput", "segments": N, "serial_gap_s": X, "prequeued_gap_s": X,
+"startup_s": X, "goodput_serial": X, "goodput_prequeued": X, "hang_detect_s": X,
+"hang_timeout_s": X, ...}``: a gap is one segment job's sacct End to the next one's Start
+(median), start-up a job's Start to its first training step (median over both runs), reported
+apart; goodput = training-step time / allocated time. Then one injected hang: a third
+campaign (one segment, ``hang_timeout_min: 0.2``, one retry) whose reference trainer hangs
+after iteration 3 (the test-only fault, jobscripts/trainer_faults.py); ``hang_detect_s`` is
+that iteration's log time to the watchdog's finding (the trigger's log-watch line in the
+task log), ``hang_timeout_s`` the timeout the finding names (docs/log-watch.md).
 """
 
 from __future__ import annotations
 
 import json
-import random
+import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+import urllib.error
+from datetime import datetime
 from pathlib import Path
-
-import yaml
 
 from tests.support import cluster
 from tests.support.airflow import Standalone, airflow_env
+from tests.support.reference_campaign import (
+    campaign_doc,
+    dag_id,
+    prepare_data,
+    segment_records,
+    write_dags,
+)
 
-NAME = "bench_goodput"
-DAG_ID = f"pretrain__{NAME}"
-ROOT = Path("/home/pretrain/pp-bench-goodput")  # the cluster user's; the campaign lives here
+ROOT = Path("/home/pretrain/pp-bench-goodput")  # the cluster user's; the campaigns live here
 SEGMENTS, ITERS = 4, 5
-# Airflow's safe mode parses only files that say "airflow" and "dag".
-DAG_FILE = '''"""Airflow DAG of the goodput bench's campaign (tests/bench/bench_goodput.py)."""
-from pathlib import Path
-
-from operators.campaign.dag.dag_factory import build_all
-
-build_all(Path(__file__).parent / "campaigns", globals())
-'''
-WORDS = ("the", "model", "trains", "on", "tokens", "and", "saves", "checkpoints", "while",
-         "each", "segment", "resumes", "from", "the", "last", "one", "the", "cluster", "kept")
+RUNS = {"serial": ("bench_goodput_serial", 0), "prequeued": ("bench_goodput_prequeued", 1)}
+HANG, HANG_AT, HANG_TIMEOUT_MIN = "bench_goodput_hang", 3, 0.2
 
 
-def prepare_data(root: Path) -> tuple[str, str]:
-    """A tokenizer and one Megatron prefix, by the data stage's jobscripts (in-process)."""
-    from jobscripts import tokenize_megatron, train_tokenizer
-    from tests.support.data_stage import ok, tokenize_argv
+def lay_out_hang(doc: dict) -> None:
+    """The hang campaign's fault file, in its checkpoint directory (trainer_faults.py)."""
+    from jobscripts.job_files import REFERENCE_FAULTS
+    from operators.campaign.render.layout import Layout
+    from operators.campaign.schema.load import campaign_from_dict
 
-    corpus = root / "corpus"
-    corpus.mkdir(parents=True)
-    rng = random.Random(0)
-    with open(corpus / "shard_000.jsonl", "w", encoding="utf-8") as handle:
-        for i in range(400):
-            text = " ".join(rng.choice(WORDS) for _ in range(200))
-            handle.write(json.dumps({"id": str(i), "text": text}) + "\n")
-    ok(train_tokenizer.main, ["--output-dir", str(root / "tokenizer"), "--input", str(corpus),
-                              "--vocab-size", "512", "--no-verify"], root / "tokenizer.json")
-    result = ok(tokenize_megatron.main, tokenize_argv(corpus, root / "tokenizer", root / "data"),
-                root / "tokenize.json")
-    return str(root / "tokenizer"), result["prefixes"][0]
+    checkpoints = Path(Layout.for_campaign(campaign_from_dict(doc)).checkpoints)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    (checkpoints / REFERENCE_FAULTS).write_text(json.dumps(
+        {"hang": {"at_iteration": HANG_AT, "signals": True}}))
+    subprocess.run(["chown", "-R", "pretrain:pretrain", str(ROOT / "campaigns")], check=True)
 
 
-def campaign_yaml(tokenizer: str, prefix: str) -> str:
-    doc = {
-        "name": NAME, "description": "goodput bench: four short reference segments",
-        "schedule": None,
-        "cluster": {"ssh_conn_id": cluster.CONN_ID, "partition": "debug", "gpus_per_node": 0,
-                    "cpus_per_task": 1, "mem": "2G", "time_limit": "5",
-                    "remote_root": str(ROOT / "campaigns")},
-        "data": {"prefixes": [prefix], "split": "95,5,0", "tokenizer": {"path": tokenizer}},
-        "model": {"reference": {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
-                                "num_key_value_heads": 2, "ffn_hidden_size": 176}},
-        "training": {"train_iters": SEGMENTS * ITERS, "global_batch_size": 8,
-                     "micro_batch_size": 4, "seq_length": 128, "lr": 2.0e-3, "min_lr": 2.0e-4,
-                     "lr_warmup_iters": 2, "seed": 7},
-        "checkpoint": {"save_interval": ITERS, "keep_last": 2},
-        "validation": {"eval_interval": ITERS, "eval_iters": 1},
-        "logging": {"log_interval": 1},
-        "tracking": {"enabled": False},
-        "retries": {"train": {"retries": 0, "retry_delay": 5}},
-        "segments": {"max_per_run": SEGMENTS, "iters_per_segment": ITERS,
-                     "startup_estimate_min": 1, "save_estimate_s": 5, "margin_min": 2},
-    }
-    return yaml.safe_dump(doc, sort_keys=False)
+def roomy(doc: dict) -> dict:
+    """``doc`` with room for a slow start: at load ~20 on this 2-core machine a segment took
+    over 2 min to its first step, so the hang watchdog's start-up allowance (2 x the estimate)
+    stopped it and the exit timer cut segment 1 after one iteration. Each segment still ends
+    at its ``iters_per_segment``."""
+    doc["cluster"]["time_limit"] = "15"
+    doc["segments"]["startup_estimate_min"] = 4
+    return doc
 
 
-def figures() -> dict:
+def hang_figures(af: Standalone, run_id: str) -> dict:
+    """Detection time of the injected hang: the hung iteration's log time (the trainer's
+    wall clock, local = UTC here) to the watchdog's finding (its ``at``, epoch seconds)."""
+    from operators.slurm.trigger import WATCH_LOG_MARK
+
+    first = af.task_log(dag_id(HANG), run_id, "segment_1", try_number=1)
+    marks = [line for line in first.splitlines() if WATCH_LOG_MARK in line]
+    if not marks:
+        raise SystemExit(f"the hang campaign's first try shows no log-watch finding:\n"
+                         f"{first[-3000:]}")
+    finding = json.loads(marks[0].split(WATCH_LOG_MARK, 1)[1])
+    job_id = re.search(r"Slurm job (\d+): SIGTERM sent", first).group(1)
+    run_dir = re.search(r"run dir (\S+)\)", first).group(1)
+    log = Path(run_dir, f"slurm-{job_id}.out").read_text(errors="replace")
+    clock = re.search(rf"\[(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d)\] iteration\s+{HANG_AT}/", log)
+    hung_at = datetime.strptime(clock.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+    return {"hang_detect_s": round(finding["at"] - hung_at, 1),
+            "hang_timeout_s": finding["detail"]["timeout_s"]}
+
+
+def figures(name: str) -> dict:
     from operators.slurm.parse import JobRecord
     from operators.tracking import goodput
 
-    records = [json.loads(line) for line in
-               (ROOT / "campaigns" / NAME / "segments.jsonl").read_text().splitlines()]
     jobs = [goodput.segment_job(JobRecord.from_json(r["slurm"]),
                                 Path(r["log_path"]).read_text(errors="replace").splitlines(),
-                                1, r.get("load_seconds")) for r in records]
+                                1, r.get("load_seconds")) for r in segment_records(ROOT, name)]
     result = goodput.compute(jobs)
     startups = [(run.first_step_at - run.start).total_seconds() for job in jobs
                 for run in job.runs if run.first_step_at and run.start]
-    return {
-        "bench": "goodput", "segments": result.segments,
-        "serial_gap_s": result.gap_median_s,
-        "startup_s": round(statistics.median(startups), 2) if startups else None,
-        "goodput_serial": round(result.goodput, 4) if result.goodput is not None else None,
-        "allocated_node_s": result.allocated_node_s, "train_s": round(result.train_s, 2),
-        "save_s": round(result.save_s, 2), "queue_s": result.queue_s,
-        "iterations_redone": result.iterations_redone,
-    }
+    return {"segments": result.segments, "gap_s": result.gap_median_s, "startups": startups,
+            "goodput": round(result.goodput, 4) if result.goodput is not None else None,
+            "allocated_node_s": result.allocated_node_s, "train_s": round(result.train_s, 2),
+            "iterations_redone": result.iterations_redone}
 
 
 def main() -> dict:
@@ -118,23 +116,58 @@ def main() -> dict:
     shutil.rmtree(ROOT, ignore_errors=True)
     ROOT.mkdir(parents=True)
     tokenizer, prefix = prepare_data(ROOT)
-    subprocess.run(["chown", "-R", "pretrain:pretrain", str(ROOT)], check=True)
     home = Path(tempfile.mkdtemp(prefix="pp-bench-goodput-"))
-    dags = home / "dags"
-    (dags / "campaigns").mkdir(parents=True)
-    (dags / "campaigns" / f"{NAME}.yaml").write_text(campaign_yaml(tokenizer, prefix))
-    (dags / "campaigns_bench.py").write_text(DAG_FILE)
+    hang = roomy(campaign_doc(HANG, ROOT, tokenizer, prefix, segments=1, iters=8, depth=0,
+                              retries=1, hang_timeout_min=HANG_TIMEOUT_MIN))
+    lay_out_hang(hang)
+    dags = write_dags(home / "dags", [
+        *(roomy(campaign_doc(name, ROOT, tokenizer, prefix, segments=SEGMENTS, iters=ITERS,
+                             depth=depth)) for name, depth in RUNS.values()), hang])
     # A first start migrates a fresh metadata database: minutes on a loaded 2-core machine.
-    af = Standalone(airflow_env(home, dags, port=18096), home / "standalone.log").start(600)
+    # A worker's call to the execution API timed out (5 s default, 5 tries) at load ~20 here
+    # and failed segment 1 before it ran: what is measured here is the chain, not that.
+    env = airflow_env(home, dags, port=18096,
+                      extra={"AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "30"})
+    af = Standalone(env, home / "standalone.log").start(600)
+    walls = {}
     try:
-        t0 = time.time()
-        state = af.wait_run(DAG_ID, af.trigger(DAG_ID), timeout=900)
-        if state != "success":
-            raise SystemExit(f"the bench campaign's DAG run ended {state}")
-        wall = time.time() - t0
+        for label, (name, _depth) in RUNS.items():  # one after the other: no shared CPUs
+            t0 = time.time()
+            state = af.wait_run(dag_id(name), af.trigger(dag_id(name)), timeout=1200)
+            if state != "success":
+                raise SystemExit(f"the bench campaign {name}'s DAG run ended {state}; see "
+                                 f"{home / 'standalone.log'}")
+            walls[label] = round(time.time() - t0, 1)
+        print(json.dumps({"bench": "goodput", "partial": "before the hang run",
+                          **{f"campaign_wall_{k}_s": v for k, v in walls.items()}}),
+              flush=True)
+        try:
+            hang_run = af.trigger(dag_id(HANG))
+        except urllib.error.HTTPError as exc:  # a 500 (SQLite locked) at load ~20 here
+            print(f"triggering the hang campaign failed: {exc}", file=sys.stderr)
+            hang_run, state = None, f"not triggered ({exc})"
+        else:
+            state = af.wait_run(dag_id(HANG), hang_run, timeout=900)
+        if state == "success":  # try 1 stopped by the watchdog, try 2 resumed and finished
+            hung = hang_figures(af, hang_run)
+        else:
+            print(f"the hang campaign's DAG run ended {state}: hang figures null",
+                  file=sys.stderr)
+            hung = {"hang_detect_s": None, "hang_timeout_s": None}
     finally:
         af.stop()
-    return {**figures(), "campaign_wall_s": round(wall, 1)}
+    serial, prequeued = (figures(name) for name, _ in RUNS.values())
+    startups = serial["startups"] + prequeued["startups"]
+    return {
+        "bench": "goodput", "segments": serial["segments"],
+        "serial_gap_s": serial["gap_s"], "prequeued_gap_s": prequeued["gap_s"],
+        "startup_s": round(statistics.median(startups), 2) if startups else None,
+        "goodput_serial": serial["goodput"], "goodput_prequeued": prequeued["goodput"],
+        **hung,
+        "campaign_wall_serial_s": walls["serial"], "campaign_wall_prequeued_s": walls["prequeued"],
+        "train_s_serial": serial["train_s"], "train_s_prequeued": prequeued["train_s"],
+        "iterations_redone": serial["iterations_redone"] + prequeued["iterations_redone"],
+    }
 
 
 if __name__ == "__main__":

@@ -147,10 +147,9 @@ def cpu_seconds() -> float:
 
 
 def phase_ours(work: Path, setup: dict) -> dict:
-    import megatron.core.datasets.indexed_dataset  # noqa: F401  (imports are not the step)
-    import megatron.core.tokenizers  # noqa: F401
+    from jobscripts.tokenize_megatron import import_megatron, main
 
-    from jobscripts.tokenize_megatron import main
+    import_megatron()  # the job's own imports, all of them: imports are not the step
 
     shutil.rmtree(work / "ours", ignore_errors=True)  # a fresh run, not a resumed one
     started, cpu = time.monotonic(), cpu_seconds()

@@ -7,7 +7,8 @@ import sys
 
 BENCHES = ["tests.bench.bench_slurm", "tests.bench.bench_tokenize", "tests.bench.bench_trainer",
            "tests.bench.bench_mlflow", "tests.bench.bench_dag_parse", "tests.bench.bench_evaluate",
-           "tests.bench.bench_campaign_load", "tests.bench.bench_goodput"]
+           "tests.bench.bench_campaign_load", "tests.bench.bench_goodput",
+           "tests.bench.bench_deployment", "tests.bench.bench_scale"]
 # Benches that need vLLM run in the cluster's job venv (the only one with vLLM's CPU build).
 JOB_VENV_BENCHES = {"tests.bench.bench_evaluate"}
 

@@ -90,5 +90,7 @@ def test_plan_shows_the_interval() -> None:
 
 
 def test_anything_else_is_refused_by_field() -> None:
-    with pytest.raises(CampaignConfigError, match="checkpoint.save_interval"):
+    with pytest.raises(CampaignConfigError, match="checkpoint.save_interval") as refused:
         campaign_from_dict(edited(raw(DEMO), {"checkpoint.save_interval": "often"}))
+    # The value as given, quoted (a template placeholder printed literally once).
+    assert "(got 'often')" in str(refused.value)

@@ -37,6 +37,7 @@ LLAMA_8B_EXPECTED = {
                  "max_replacement_char_share": 0.001, "max_nonprintable_share": 0.001},
         "tokenizer": {"path": "/scratch/pretrain/tokenizers/Meta-Llama-3.1-8B", "train": None},
         "tokenize_workers": 32,
+        "array_tasks": 1,
     },
     "model": {"recipe": "llama31_8b", "reference": None, "hf_model": None},
     "training": {
@@ -55,8 +56,10 @@ LLAMA_8B_EXPECTED = {
     "retries": {"data": {"retries": 2, "retry_delay": 120, "exponential_backoff": True},
                 "train": {"retries": 3, "retry_delay": 300, "exponential_backoff": True},
                 "export": {"retries": 1, "retry_delay": 300, "exponential_backoff": True}},
-    "segments": {"max_per_run": 6, "iters_per_segment": None, "startup_estimate_min": 3.0,
-                 "save_estimate_s": 120.0, "margin_min": 5.0},
+    "segments": {"max_per_run": 6, "iters_per_segment": None, "hang_timeout_min": "auto",
+                 "startup_estimate_min": 3.0,
+                 "save_estimate_s": 120.0, "margin_min": 5.0, "prequeue_depth": 1},
+    "health": {"evaluate_checkpoints": False, "eval_pool": None, "loss_spike": None},
     "stages": {name: {"image": None, "partition": None, "gpus_per_node": None,
                       "cpus_per_task": None, "mem": None, "time_limit": None}
                for name in ("data", "preflight", "export", "evaluate")}

@@ -62,15 +62,8 @@ def test_path_with_quote_and_newline_is_one_shell_word() -> None:
     assert "'/d/it'\"'\"'s\nodd.bin'" in command
 
 
-@pytest.fixture
-def hook(local_cluster, monkeypatch):
-    from operators.slurm.hook import SlurmHook
 
-    for name, value in cluster.connection_env().items():
-        monkeypatch.setenv(name, value)
-    return SlurmHook(cluster.CONN_ID)
-
-
+@pytest.mark.disruptive
 def test_missing_files_through_the_login_banner_on_the_cluster(hook) -> None:
     root = posixpath.join("/home/pretrain/pp-missing", uuid.uuid4().hex)
     full, empty, absent = (posixpath.join(root, n) for n in ("a b.bin", "e.idx", "gone.bin"))

@@ -27,7 +27,7 @@ import yaml
 from operators.slurm.jobkey import job_key
 from tests.support import cluster
 from tests.support.airflow import AIRFLOW, dags_test
-from tests.support.data_stage import parquet_bytes
+from tests.support.data_stage import cluster_campaign, parquet_bytes
 from tests.support.mlflow_server import S3_KEY_ID, S3_SECRET
 
 pytestmark = pytest.mark.cluster
@@ -49,24 +49,11 @@ BAD_ROWS = [
 
 
 def _campaign(name: str, data: dict, environment: dict | None = None) -> dict:
-    return {
-        "name": name,
-        "cluster": {"ssh_conn_id": cluster.CONN_ID, "partition": "debug", "gpus_per_node": 0,
-                    "cpus_per_task": 1, "mem": "2G", "time_limit": "5",
-                    "remote_root": str(ROOT / "campaigns"), "environment": environment or {}},
-        "data": {"split": "95,5,0", "min_doc_chars": 10, "max_doc_chars": 100_000,
-                 "tokenizer": {"train": {"vocab_size": 1024}}, **data},
-        "model": {"reference": {"hidden_size": 64, "num_layers": 1, "num_attention_heads": 4,
-                                "num_key_value_heads": 2, "ffn_hidden_size": 176}},
-        "training": {"train_iters": 10, "global_batch_size": 8, "micro_batch_size": 4,
-                     "seq_length": 128, "lr": 1.0e-3},
-        "checkpoint": {"save_interval": 5},
-        "tracking": {"enabled": False},
-        "retries": {part: {"retries": 0, "retry_delay": 5} for part in ("data", "train",
-                                                                         "export")},
-        "segments": {"max_per_run": 2, "startup_estimate_min": 1, "save_estimate_s": 5,
-                     "margin_min": 2},
-    }
+    return cluster_campaign(
+        name, str(ROOT / "campaigns"), {"split": "95,5,0", "min_doc_chars": 10,
+                                         "max_doc_chars": 100_000,
+                                         "tokenizer": {"train": {"vocab_size": 1024}}, **data},
+        time_limit="5", environment=environment, max_segments=2)
 
 
 def _as_cluster_user(path: Path) -> None:

@@ -19,14 +19,6 @@ from tests.support.data_stage import bad_corpus
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture
-def hook(local_cluster, monkeypatch):
-    from operators.slurm.hook import SlurmHook
-
-    for name, value in cluster.connection_env().items():
-        monkeypatch.setenv(name, value)
-    return SlurmHook(cluster.CONN_ID)
-
 
 def test_gate_job_fails_naming_lines_and_the_non_utf8_file(hook, tmp_path) -> None:
     bad_corpus(tmp_path / "bad.jsonl")

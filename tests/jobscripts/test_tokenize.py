@@ -259,7 +259,8 @@ def test_a_guess_megatron_rejects_is_redone_the_sure_way(
 
     # Tokenization starts before Megatron's tokenizer is built, with the EOD read from the
     # files. Make that read wrong: the forked check must catch it and the shards be redone.
-    monkeypatch.setattr(tokenize_megatron, "files_view", lambda _dir: (VOCAB, 1))
+    real = tokenize_megatron.spec_and_facts
+    monkeypatch.setattr(tokenize_megatron, "spec_and_facts", lambda d: (*real(d)[:2], 1))
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(5)))
     argv = tokenize_argv(src, tokenizer["tokenizer_dir"], tmp_path / "out")

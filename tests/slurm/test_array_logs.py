@@ -50,12 +50,7 @@ class LocalFiles:
         self.reads.append(path)
         if self.broken:
             raise ConnectionResetError("SFTP channel closed")
-        file = Path(path)
-        if not file.exists():
-            return b""
-        with file.open("rb") as handle:
-            handle.seek(offset)
-            return handle.read(limit)
+        return cluster.read_local_bytes(path, offset, limit)
 
 
 def _logged(trigger: SlurmJobTrigger) -> SlurmJobTrigger:
@@ -146,14 +141,6 @@ def test_a_plain_job_keeps_its_single_log(tmp_path, caplog) -> None:
     assert _forwarded(caplog) == ["[slurm 5] hello"] and trigger.log_offset == 6
     assert trigger.serialize()[1]["log_offset"] == 6
 
-
-@pytest.fixture
-def hook(local_cluster, monkeypatch):
-    from operators.slurm.hook import SlurmHook
-
-    for name, value in cluster.connection_env().items():
-        monkeypatch.setenv(name, value)
-    return SlurmHook(cluster.CONN_ID)
 
 
 def test_three_task_array_every_tasks_lines_on_one_connection(hook, caplog) -> None:

@@ -25,12 +25,6 @@ from tests.support import cluster
 CONN = cluster.CONN_ID
 
 
-@pytest.fixture
-def hook(local_cluster, monkeypatch) -> SlurmHook:
-    for name, value in cluster.connection_env().items():
-        monkeypatch.setenv(name, value)
-    return SlurmHook(CONN)
-
 
 def submit(hook: SlurmHook, command: str, **job) -> tuple[str, str, str]:
     """(key, run dir, job id) of a fresh job."""
@@ -43,12 +37,7 @@ def submit(hook: SlurmHook, command: str, **job) -> tuple[str, str, str]:
 
 
 def wait_terminal(hook: SlurmHook, job_id: str, key: str, timeout: float = 90):
-    def ended():
-        record = hook.describe(job_id, name=key)
-        if record and record.source == "sacct" and classify(record.state).terminal:
-            return record
-        return None
-    return cluster.wait_for(ended, timeout, f"job {job_id} to end")
+    return cluster.wait_job_end(hook, job_id, key, timeout)
 
 
 def test_array_with_one_failed_task_is_a_failure_naming_it(hook) -> None:
@@ -121,6 +110,7 @@ def test_het_job_whose_worker_fails_is_a_failure_naming_the_worker(hook) -> None
     assert (found.job_id, classify(found.state)) == (job_id, Outcome.FAILURE)
 
 
+@pytest.mark.disruptive
 def test_login_banner_on_every_command(hook) -> None:
     # The site also sets relative times for its users: our queries must not inherit it.
     with cluster.login_banner("export SLURM_TIME_FORMAT=relative") as banner:
@@ -149,6 +139,7 @@ OUTAGE_S = 20.0  # with 1 s rounds: ~20 failed sacct calls (see test_accounting_
 INTERVAL_S = 1.0
 
 
+@pytest.mark.disruptive
 def test_accounting_outage_follows_the_job_through_squeue_on_one_connection(hook) -> None:
     """slurmdbd stopped while a job runs: the poller keeps one SSH connection, follows the
     job through squeue every round, and sees sacct again within two intervals.
@@ -203,6 +194,7 @@ def test_accounting_outage_follows_the_job_through_squeue_on_one_connection(hook
     assert seen["recovered_after"] <= 2 * INTERVAL_S + 1.0  # old back-off: up to 60 s
 
 
+@pytest.mark.disruptive
 @pytest.mark.parametrize("wrapper", [
     # A site's wrapper that prints sbatch's normal line, naming the cluster (sbatch.c).
     'sbatch() { id=$(command sbatch "$@") && echo "sbatch: Submitted batch job ${id%%;*} '

@@ -48,7 +48,7 @@ def test_success_chain_array_timeout_and_failure(standalone) -> None:
     assert [f for f in files if f] == ["task 0", "task 1", "task 2"]
 
     assert af.wait_run("slurm_fail", runs["slurm_fail"]) == "failed"
-    log = af.task_log("slurm_fail", runs["slurm_fail"], "boom")
+    log = af.last_log("slurm_fail", runs["slurm_fail"], "boom")
     assert "exit code 3" in log and "the reason: disk on fire" in log
 
     assert af.wait_run("slurm_timeout", runs["slurm_timeout"], timeout=240) == "failed"
@@ -89,6 +89,7 @@ def test_marking_tasks_failed_cancels_their_jobs(standalone) -> None:
         assert state.startswith("CANCELLED"), task
 
 
+@pytest.mark.disruptive
 def test_sshd_restart_during_polling_loses_nothing_and_duplicates_nothing(standalone) -> None:
     af = standalone
     run_id = af.trigger("slurm_long", {"sleep": 45})
@@ -120,6 +121,7 @@ def _node_of(job_id: str) -> str:
     return cluster.sacct_field(job_id, "NodeList")
 
 
+@pytest.mark.disruptive
 def test_node_down_requeues_or_retries_and_loses_nothing(standalone) -> None:
     af = standalone
     run_id = af.trigger("slurm_node_down")

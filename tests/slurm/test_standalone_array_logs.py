@@ -14,7 +14,7 @@ def test_array_task_log_has_every_tasks_lines(standalone) -> None:
     run_id = af.trigger("slurm_array_logs")
     assert af.wait_run("slurm_array_logs", run_id, timeout=240) == "success"
     job = af.xcom("slurm_array_logs", run_id, "fanout", key="slurm_job")["job_id"]
-    log = af.task_log("slurm_array_logs", run_id, "fanout")
+    log = af.last_log("slurm_array_logs", run_id, "fanout")
     for task in range(3):
         for i in range(1, 5):
             # Old: task 0's lines only. Once each: no line forwarded twice.

@@ -67,6 +67,7 @@ def _ssh_ports(pid: int) -> set[str]:
             if any(f"pid={p}," in line for p in pids)}
 
 
+@pytest.mark.disruptive
 def test_slurmdbd_outage_while_a_job_runs(standalone) -> None:
     """slurmdbd stopped for two minutes while the job runs (issue 13): the task succeeds on
     the same job, no duplicate, its log streamed throughout the outage, on the one SSH
@@ -130,6 +131,7 @@ def _job_if_running(af, run_id: str) -> str | None:
     return job if cluster.sacct_job(job)["state"] == "RUNNING" else None
 
 
+@pytest.mark.disruptive
 def test_login_banner_on_every_command(standalone) -> None:
     af = standalone
     with cluster.login_banner("export SLURM_TIME_FORMAT=relative") as banner:

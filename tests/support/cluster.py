@@ -118,6 +118,18 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def wait_job_end(hook, job_id: str, key: str, timeout: float = 90):
+    """The job's record once sacct (not squeue alone) says it ended."""
+    from operators.slurm.states import classify
+
+    def ended():
+        record = hook.describe(job_id, name=key)
+        if record and record.source == "sacct" and classify(record.state).terminal:
+            return record
+        return None
+    return wait_for(ended, timeout, f"job {job_id} to end")
+
+
 def sshd_pid() -> int:
     return int((STATE / "pids" / "sshd.pid").read_text().strip())
 
@@ -175,3 +187,15 @@ def login_banner(extra: str = ""):
     finally:
         BASHRC.write_bytes(original)
         os.chown(BASHRC, stat.st_uid, stat.st_gid)
+
+
+def read_local_bytes(path: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+    """Up to ``limit`` bytes of a file on this machine from ``offset``, b"" when it does not
+    exist: what ``ClusterPoller.read_bytes`` answers, for the test pollers that stand in for it
+    on local files."""
+    file = Path(path)
+    if not file.exists():
+        return b""
+    with file.open("rb") as handle:
+        handle.seek(offset)
+        return handle.read(limit)

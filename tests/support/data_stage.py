@@ -64,3 +64,29 @@ def bad_corpus(path: Path) -> None:
         ).encode(),
     ]
     path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def cluster_campaign(name: str, remote_root: str, data: dict, *, time_limit: str = "10",
+                     environment: dict | None = None, max_segments: int = 1) -> dict:
+    """A small campaign for the data stage's cluster tests (tests/jobscripts/*_on_cluster.py):
+    CPU jobs on the local cluster's debug partition, a tiny reference model, no tracking, no
+    retries; ``data`` is the campaign's data section."""
+    from tests.support import cluster
+
+    return {
+        "name": name,
+        "cluster": {"ssh_conn_id": cluster.CONN_ID, "partition": "debug", "gpus_per_node": 0,
+                    "cpus_per_task": 1, "mem": "2G", "time_limit": time_limit,
+                    "remote_root": remote_root, "environment": environment or {}},
+        "data": data,
+        "model": {"reference": {"hidden_size": 64, "num_layers": 1, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "ffn_hidden_size": 176}},
+        "training": {"train_iters": 10, "global_batch_size": 8, "micro_batch_size": 4,
+                     "seq_length": 128, "lr": 1.0e-3},
+        "checkpoint": {"save_interval": 5},
+        "tracking": {"enabled": False},
+        "retries": {part: {"retries": 0, "retry_delay": 5} for part in ("data", "train",
+                                                                         "export")},
+        "segments": {"max_per_run": max_segments, "startup_estimate_min": 1,
+                     "save_estimate_s": 5, "margin_min": 2},
+    }

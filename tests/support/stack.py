@@ -9,6 +9,7 @@ and start it again with ``up``.
     stack = Stack.up(dags)                   # the stack, its Airflow REST client
     stack.airflow.trigger(dag_id, conf)      # tests.support.airflow's client
     stack.s3_client()                        # boto3 on the S3 gateway, with the tracking key
+    stack.stop("redis"); stack.start("redis")  # local_stack.sh stop/up NAME: a service restarted
 """
 
 from __future__ import annotations
@@ -20,15 +21,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.airflow import Standalone, _utc
+from tests.support import cluster
+from tests.support.airflow import Standalone
 from tests.support.cluster import REPO
 
 SCRIPT = REPO / "docker" / "local_stack.sh"
 STATE = Path(os.environ.get("PP_STACK_STATE", "/var/lib/pretrain-stack"))
 TRIGGERERS = ("triggerer-1", "triggerer-2")
-# The line a triggerer logs right after creating its TriggererJob row (Airflow 3.3's
-# triggerer_job_runner.py, as the stack's triggerer logs show it).
-STARTED = re.compile(r"^(\S+)Z \[info\s*\] Starting the triggerer ", re.M)
 WORKERS = ("worker-1", "worker-2")
 
 
@@ -42,13 +41,22 @@ class StackAirflow(Standalone):
     def stop(self) -> None:
         pass
 
+    def fail_running(self, dag_id: str) -> list[str]:
+        """Mark failed every running or queued run of ``dag_id``: one that a story aborted
+        earlier would hold the next (max_active_runs=1)."""
+        runs = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns?state=running&state=queued")
+        ids = [r["dag_run_id"] for r in runs["dag_runs"]]
+        for run_id in ids:
+            self.request("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", {"state": "failed"})
+        return ids
+
 
 @dataclass
 class Stack:
     env: dict[str, str]  # local_stack.sh env: URLs, bucket, tracking key, state paths
 
     @classmethod
-    def up(cls, dags: Path, timeout: float = 600) -> Stack:
+    def up(cls, dags: Path, timeout: float = 1200) -> Stack:
         """``local_stack.sh up`` with ``dags`` as its DAGs folder; a stack's servers running
         with other DAGs (or from another checkout) are restarted with these."""
         env = {**os.environ, "PP_STACK_DAGS": str(dags), "PP_STACK_REPLACE": "1"}
@@ -56,6 +64,79 @@ class Stack:
         if proc.returncode != 0:
             raise RuntimeError(f"local_stack.sh up failed:\n{proc.stdout}{proc.stderr}")
         return cls(client_env(env))
+
+    def stop(self, *components: str, timeout: float = 120) -> None:
+        """``local_stack.sh stop``: a clean stop of those components (PostgreSQL: a fast
+        shutdown), by their recorded PIDs."""
+        self._run("stop", components, timeout)
+
+    def start(self, *components: str, timeout: float = 600) -> None:
+        """``local_stack.sh up NAME...``: start those that are not running, nothing else (a
+        component a test killed on purpose stays down)."""
+        self._run("up", components, timeout)
+        self.env = client_env({**os.environ, "PP_STACK_DAGS": self.env["PP_STACK_DAGS"]})
+
+    def _run(self, command: str, components: tuple[str, ...], timeout: float) -> None:
+        env = {**os.environ, "PP_STACK_DAGS": self.env["PP_STACK_DAGS"]}
+        proc = subprocess.run(["bash", str(SCRIPT), command, *components], env=env,
+                              capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"local_stack.sh {command} {' '.join(components)} failed:\n"
+                               f"{proc.stdout}{proc.stderr}")
+
+    def alive(self, component: str) -> bool:
+        """The component's recorded process still runs: its PID with its recorded start time
+        (local_stack.sh's own test, so a reused PID is not taken for it)."""
+        path = Path(self.env["PP_STACK_PIDS"]) / f"{component}.pid"
+        try:
+            pid, started = path.read_text().split()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except (OSError, ValueError):
+            return False
+        return stat.rsplit(") ", 1)[1].split()[19] == started
+
+    def celery(self):
+        """A Celery app on the stack's broker, for remote control of its workers."""
+        from celery import Celery
+
+        return Celery(broker=self.env["PP_STACK_BROKER_URL"])
+
+    def celery_name(self, app, worker: str) -> str:
+        """The Celery node name of ``worker`` (``stack-worker-1@<host>``), from a ping."""
+        names = [name for reply in app.control.ping(timeout=10) for name in reply]
+        mine = [n for n in names if n.startswith(f"stack-{worker}@")]
+        if len(mine) != 1:
+            raise RuntimeError(f"no single Celery node for {worker} among {names}")
+        return mine[0]
+
+    def workloads(self, worker: str, task_log: str) -> int:
+        """How many times ``worker`` started a workload (a task's start or its resume after
+        a deferral) whose log is ``task_log`` (``dag_id=.../task_id=x/attempt=1.log``): the
+        line Airflow 3.3's Celery worker logs for each, as the stack's worker logs show it."""
+        return len(self._workload_lines(worker, task_log))
+
+    def _workload_lines(self, worker: str, task_log: str) -> list[str]:
+        """The worker's log lines that start ``task_log``'s workloads, from its log and the one
+        before it (``up`` keeps it as ``.log.1`` when it starts a killed worker again)."""
+        lines = []
+        for name in (f"{worker}.log.1", f"{worker}.log"):
+            path = self.log_dir / name
+            text = path.read_text(errors="replace") if path.exists() else ""
+            lines += [line for line in text.splitlines() if "Executing workload in Celery"
+                      in line and f"log_path='{task_log}'" in line]
+        return lines
+
+    def last_workload(self, task_log: str) -> str:
+        """Which worker started ``task_log``'s latest workload (for a deferred task that
+        resumed: its end), by the time each worker logged it."""
+        latest = {}
+        for worker in WORKERS:
+            lines = self._workload_lines(worker, task_log)
+            if lines:
+                latest[worker] = lines[-1].split()[0]
+        if not latest:
+            raise RuntimeError(f"no worker ran {task_log}")
+        return max(latest, key=latest.get)
 
     @property
     def airflow(self) -> StackAirflow:
@@ -76,21 +157,44 @@ class Stack:
         os.killpg(pid, sig)
         return pid
 
-    def triggerer_of(self, job: dict) -> str:
-        """Which triggerer process runs as the TriggererJob ``job`` (a task instance's
-        ``triggerer_job``): the one whose log says it started when the job row was made. Both
-        run on one host, so the job's hostname does not tell them apart."""
-        made = _utc(job["start_date"])
-        gaps = {}
-        for name in TRIGGERERS:
-            starts = STARTED.findall((self.log_dir / f"{name}.log").read_text(errors="replace"))
-            if starts:
-                gaps[name] = abs((_utc(starts[-1]) - made).total_seconds())
-        best = min(gaps, key=gaps.get)
-        others = [g for n, g in gaps.items() if n != best]
-        if gaps[best] > 0.5 or any(g < gaps[best] + 0.5 for g in others):
-            raise RuntimeError(f"cannot tell which triggerer runs job {job['id']}: {gaps}")
-        return best
+    def triggerer_of(self, ti: dict, timeout: float = 300) -> str:
+        """Which triggerer process runs the trigger of the deferred task instance ``ti`` (a
+        REST task-instance body). Both triggerers run on one host, so the TriggererJob's
+        hostname does not tell them apart, and two started within the same second cannot be
+        told apart by their start lines either (a CI run saw 0.43 s). Two signs, the first found:
+        the triggerer's process holds the trigger's log file open (``attempt=N.log.trigger.
+        <triggerer job>.log``, from its first line until the trigger ends: Airflow 3.3's
+        TriggerLoggingFactory), or its own log has lines tagged ``ti_id=... try_number=...``
+        (asyncssh's, when the trigger opened the poller's connection: a trigger that joins a
+        running poller logs none there)."""
+        tag = f"ti_id={ti['id']} try_number={ti['try_number']}"
+        trigger_log = re.compile(
+            re.escape(f"/dag_id={ti['dag_id']}/run_id={ti['dag_run_id']}/task_id={ti['task_id']}/"
+                      f"attempt={ti['try_number']}.log.trigger.") + r"\d+\.log$")
+
+        def holding() -> list[str]:
+            names = []
+            for name in TRIGGERERS:
+                for pid in self.group_pids(name):
+                    try:
+                        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+                        targets = [os.readlink(fd) for fd in fds]
+                    except OSError:
+                        continue
+                    if any(trigger_log.search(t) for t in targets):
+                        names.append(name)
+                        break
+            return names
+
+        def tagged() -> list[str]:
+            return [name for name in TRIGGERERS
+                    if tag in (self.log_dir / f"{name}.log").read_text(errors="replace")]
+
+        names = cluster.wait_for(lambda: holding() or tagged() or None, timeout,
+                                 f"the triggerer of {tag}", 0.5)
+        if len(names) != 1:
+            raise RuntimeError(f"both triggerers run or logged {tag}: {names}")
+        return names[0]
 
     def group_pids(self, component: str) -> set[int]:
         pgid = self.pid(component)

@@ -17,6 +17,17 @@ SERVERS = "servers"
 TRAINING = "training"
 COSTLY = (CLUSTER, AIRFLOW, SERVERS, TRAINING)
 PURE = "pure"
+# Not a cost but a hazard: the test stops or changes what every other test uses (slurmdbd,
+# sshd, a node, the login shell). ``make test`` runs these alone, after the rest
+# (tests/lanes.py); tests/test_lanes.py checks that every test calling one of
+# DISRUPTIVE_CALLS carries the marker.
+DISRUPTIVE = "disruptive"
+DISRUPTIVE_CALLS = frozenset({
+    "restart_cluster_services", "stop_slurmdbd", "drop_sshd", "login_banner",
+    "set_node_state", "cut_node_link",
+})
+# Command words that disrupt the cluster when a test runs them itself.
+DISRUPTIVE_COMMANDS = ("scontrol update", "nodename=", "ip link set")
 
 # Fixture -> the cost it brings. item.fixturenames is the closure, so a fixture built on one of
 # these (e.g. mlflow_client on mlflow_server) is covered by its base.

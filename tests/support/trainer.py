@@ -38,10 +38,11 @@ def run_trainer(directory: Path, config: dict, *flags: str) -> Run:
 
 
 def losses(log: str, allow_repeats: bool = False) -> dict[int, float]:
-    """Per-iteration lm loss; an iteration logged twice fails the test that asks."""
+    """Per-iteration lm loss (a NaN iteration logs none); an iteration logged twice fails the
+    test that asks."""
     found: dict[int, float] = {}
     for record in logparse.parse_lines(log.splitlines()):
-        if record.kind == vocabulary.TRAIN:
+        if record.kind == vocabulary.TRAIN and vocabulary.LM_LOSS in record.metrics:
             repeated = record.iteration in found and not allow_repeats
             assert not repeated, f"iteration {record.iteration} trained twice"
             found[record.iteration] = record.metrics[vocabulary.LM_LOSS]

@@ -32,13 +32,45 @@ def test_parent_run_ends_through_the_campaigns_connection(client, parent) -> Non
     campaign, run_id = parent
     listener.CampaignRunListener().on_dag_run_success(
         _dag_run(campaign, ["pretrain", names.conn_dag_tag(CONN_ID)]), msg="")
+    listener.wait_for_ended_runs()
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
 def test_untracked_campaign_dag_ends_nothing(client, parent) -> None:
     campaign, run_id = parent
     listener.CampaignRunListener().on_dag_run_failed(_dag_run(campaign, ["pretrain"]), msg="")
+    listener.wait_for_ended_runs()
     assert client.get_run(run_id).info.status == "RUNNING"
+
+
+def test_mlflow_is_called_off_the_schedulers_thread(client, parent) -> None:
+    """The scheduler's ORM session is thread-local: the connection lookup and the MLflow calls
+    run on another thread, and the listener returns before they end (the scheduler died on a
+    DetachedInstanceError when they ran inside its ``update_state``)."""
+    import threading
+
+    campaign, run_id = parent
+    started = threading.Event()
+    seen = {}
+    real = listener.end_campaign_run
+
+    def slow_end(*args):
+        seen["thread"] = threading.get_ident()
+        started.wait(30)  # the listener has returned by then
+        return real(*args)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(listener, "end_campaign_run", slow_end)
+    try:
+        listener.CampaignRunListener().on_dag_run_failed(
+            _dag_run(campaign, ["pretrain", names.conn_dag_tag(CONN_ID)]), msg="")
+        assert client.get_run(run_id).info.status == "RUNNING"  # not waited for
+        started.set()
+        listener.wait_for_ended_runs()
+    finally:
+        mp.undo()
+    assert seen["thread"] != threading.get_ident()
+    assert client.get_run(run_id).info.status == "FAILED"
 
 
 def test_dag_tags_name_the_campaigns_connection_when_tracked() -> None:

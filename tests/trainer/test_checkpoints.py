@@ -133,3 +133,23 @@ def test_megatron_written_checkpoints(tmp_path, files, complete):
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(data)
     assert (ck.check_complete(path) is None) == complete
+
+
+def test_a_writer_whose_lease_was_taken_is_fenced(tmp_path):
+    # An orphan of job 41 (cut off, then back) and its requeued incarnation (restart 1).
+    orphan = ck.take_lease(tmp_path, "41", 0)
+    fake_save(tmp_path, 5)  # saves without a lease are not fenced (tools, tests)
+    live = ck.take_lease(tmp_path, "41", 1)
+
+    def write(staging: Path) -> None:
+        (staging / "model.safetensors").write_bytes(b"o" * 10)
+
+    with pytest.raises(ck.FencedError, match=r"taken by job 41 \(restart 1\)"):
+        ck.save_checkpoint(tmp_path, 7, write, {}, orphan)
+    with pytest.raises(ck.FencedError):
+        ck.apply_retention(tmp_path, keep_last=1, lease=orphan)
+    assert ck.list_checkpoints(tmp_path) == [5] and ck.read_tracker(tmp_path) == 5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    ck.save_checkpoint(tmp_path, 7, write, {}, live)
+    assert ck.read_tracker(tmp_path) == 7
+    live.check()

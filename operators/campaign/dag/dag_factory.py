@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from airflow.sdk import DAG, Asset, Param, TaskGroup, chain, task
 
 from operators.campaign.adapters.code_ship import CampaignJobOperator
+from operators.campaign.dag.eval_dag import build_eval_dag
+from operators.campaign.dag.health import HealthSegmentOperator, health_decision, uses_health
 from operators.campaign.dag.preflight import TASK_ID as PREFLIGHT_TASK
 from operators.campaign.dag.preflight import PreflightOperator
 from operators.campaign.dag.segment import TrainingSegmentOperator
@@ -83,7 +85,7 @@ def _check_data_task(campaign: Campaign, layout: Layout):
 
 
 def _stage_job(campaign: Campaign, task_id: str, kwargs: dict, retry: dict,
-               **extra) -> SlurmJobOperator:
+               array_job: dict | None = None, **extra) -> SlurmJobOperator:
     """A non-training stage's job; with tracking on it also logs its MLflow child run.
 
     Its job options, environment and command hold campaign values: data, never templates
@@ -93,6 +95,13 @@ def _stage_job(campaign: Campaign, task_id: str, kwargs: dict, retry: dict,
     kwargs = {**kwargs, "job": as_data(kwargs.get("job") or {}),
               "environment": as_data(kwargs.get("environment") or {}),
               "command": command if callable(command) else as_data(command)}
+    if array_job is not None:  # a job array first, then this job (its merge): stage_operator
+        from operators.campaign.dag import stage_operator as so
+
+        tracked = campaign.tracking.enabled
+        return (so.ArrayStageOperator if tracked else so.ArrayJobOperator)(
+            task_id=task_id, campaign=campaign, array_job=array_job,
+            **({"stage": task_id} if tracked else {}), **kwargs, **retry, **extra)
     if campaign.tracking.enabled:
         return CampaignStageOperator(task_id=task_id, campaign=campaign, stage=task_id,
                                      **kwargs, **retry, **extra)
@@ -107,10 +116,12 @@ def _data_stage(campaign: Campaign, layout: Layout, retry: dict):
         steps = [_check_data_task(campaign, layout)]
         if campaign.data.source == "demo":
             steps.append(job("demo_corpus", stages.demo_corpus(campaign, layout)))
-        steps.append(job("ingest", stages.ingest(campaign, layout)))
+        steps.append(job("ingest", stages.ingest(campaign, layout),
+                         array_job=stages.ingest_array(campaign, layout)))
         steps.append(job("raw_gate", stages.raw_gate(campaign, layout)))
         steps.append(job("tokenizer", stages.tokenizer(campaign, layout)))
-        steps.append(job("tokenize", stages.tokenize(campaign, layout)))
+        steps.append(job("tokenize", stages.tokenize(campaign, layout),
+                         array_job=stages.tokenize_array(campaign, layout)))
         gate = {**stages.token_gate(campaign, layout, "/ingest-result-when-run"),
                 "command": _token_gate_command(campaign, layout)}
         steps.append(job("token_gate", gate, outlets=[manifest_asset(campaign, layout)]))
@@ -190,9 +201,13 @@ def _register_task(campaign: Campaign, layout: Layout):
 
 
 def _finish_stage(campaign: Campaign, layout: Layout, retry: dict) -> list:
+    evaluate = stages.evaluate(campaign, layout)
     steps = [_finished_task(campaign, layout),
              _stage_job(campaign, "export", stages.export(campaign, layout), retry),
-             _stage_job(campaign, "evaluate", stages.evaluate(campaign, layout), retry)]
+             # health.evaluate_checkpoints: the last checkpoint's evaluation is reused
+             _reusing_evaluate(campaign, evaluate, retry)
+             if campaign.health.evaluate_checkpoints and campaign.tracking.enabled
+             else _stage_job(campaign, "evaluate", evaluate, retry)]
     if campaign.tracking.enabled:
         steps.append(_register_task(campaign, layout))
     steps.append(_completed_task(campaign, layout))
@@ -200,12 +215,22 @@ def _finish_stage(campaign: Campaign, layout: Layout, retry: dict) -> list:
     return steps
 
 
+def _reusing_evaluate(campaign: Campaign, kwargs: dict, retry: dict) -> SlurmJobOperator:
+    from operators.campaign.dag.eval_dag import ReusingEvaluateOperator
+
+    kwargs = {**kwargs, "job": as_data(kwargs["job"]),
+              "environment": as_data(kwargs["environment"]), "command": as_data(kwargs["command"])}
+    return ReusingEvaluateOperator(task_id="evaluate", campaign=campaign, stage="evaluate",
+                                   **kwargs, **retry)
+
+
 def _tracking_tags(campaign: Campaign) -> list[str]:
     # The scheduler's listener ends the campaign's MLflow run through this connection.
     return [conn_dag_tag(campaign.tracking.mlflow_conn_id)] if campaign.tracking.enabled else []
 
 
-def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: bool = True) -> DAG:
+def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: bool = True,
+              eval_backend: str = "vllm") -> DAG:
     layout = Layout.for_campaign(campaign)
     r = campaign.retries
     doc = summary(campaign) + (f"\n\nDefined in `{source.name}`." if source else "")
@@ -222,8 +247,11 @@ def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: 
             # One place decides "this config will run", before any training job is queued.
             preflight = PreflightOperator(task_id=PREFLIGHT_TASK, campaign=campaign,
                                           trigger_rule=TRIGGER_RULE_AFTER_DATA)
+            # health: segments announce checkpoints, watch the loss, obey a hold (health.py)
+            segment_operator = HealthSegmentOperator if uses_health(campaign) \
+                else TrainingSegmentOperator
             segments = [
-                TrainingSegmentOperator(task_id=f"segment_{i}", campaign=campaign, segment=i,
+                segment_operator(task_id=f"segment_{i}", campaign=campaign, segment=i,
                                         trigger_rule=TRIGGER_RULE_AFTER_DATA,
                                         **_retry_args(r.train))
                 for i in range(1, campaign.segments.max_per_run + 1)
@@ -232,6 +260,10 @@ def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: 
         if data is not None:
             data >> train
         train >> _finish_stage(campaign, layout, _retry_args(r.export))[0]
+        if campaign.health.loss_spike is not None:  # a human decides on a held campaign
+            train >> health_decision(campaign, dag.dag_id)
+    if campaign.health.evaluate_checkpoints:  # its companion, registered the same way
+        build_eval_dag(campaign, START, backend=eval_backend, auto_register=auto_register)
     return dag
 
 

@@ -25,7 +25,7 @@ import yaml
 from jobscripts.bridge_result import JOB_START_ENV
 from jobscripts.job_files import SEGMENT_RESULT
 from operators.campaign.render.layout import Layout
-from operators.campaign.render.paths import RunInputs
+from operators.campaign.render.paths import RunInputs, tokenizer_dir
 from operators.campaign.render.placement import container_argv, export_lines, setup_lines
 from operators.campaign.render.plan import (
     checkpoint_interval,
@@ -79,15 +79,6 @@ def _data_path(campaign: Campaign, inputs: RunInputs) -> list[str]:
         raise ValueError("data comes from the data stage's manifest: pass "
                          "RunInputs(data_prefixes=...) read from it")
     return list(inputs.data_prefixes)
-
-
-def _tokenizer_dir(campaign: Campaign, inputs: RunInputs) -> str:
-    if campaign.data.tokenizer.path is not None:
-        return campaign.data.tokenizer.path
-    if inputs.tokenizer_dir is None:
-        raise ValueError("data.tokenizer.train: pass RunInputs(tokenizer_dir=...), where the "
-                         "data stage saved the trained tokenizer")
-    return inputs.tokenizer_dir
 
 
 def bridge_overrides(campaign: Campaign, layout: Layout, inputs: RunInputs,
@@ -144,7 +135,7 @@ def bridge_overrides(campaign: Campaign, layout: Layout, inputs: RunInputs,
                   "sequence_parallel": t.tensor_parallel_size > 1,
                   **_RECOMPUTE[t.recompute]},
         "tokenizer": {"tokenizer_type": "HuggingFaceTokenizer",
-                      "tokenizer_model": _tokenizer_dir(campaign, inputs),
+                      "tokenizer_model": tokenizer_dir(campaign, inputs),
                       "vocab_size": None},  # the recipe's NullTokenizer size, unused now
         "logger": {"log_interval": campaign.logging.log_interval,
                    "tensorboard_dir": layout.tensorboard_dir},

@@ -66,3 +66,16 @@ def data_path(campaign: Campaign, inputs: RunInputs) -> list[str]:
     if data.prefixes:
         return list(data.prefixes)
     return [x for item in data.blend or () for x in (str(item.weight), item.prefix)]
+
+
+def tokenizer_dir(campaign: Campaign, inputs: RunInputs, default: str | None = None) -> str:
+    """The tokenizer directory a run loads (both trainers): ``data.tokenizer.path`` when the
+    campaign names one (a campaign with its own prefixes runs no data stage that would copy
+    it into the campaign's directory), else the data stage's trained tokenizer
+    (``inputs.tokenizer_dir``, else ``default``)."""
+    if campaign.data.tokenizer.path is not None:
+        return campaign.data.tokenizer.path
+    if inputs.tokenizer_dir is None and default is None:
+        raise ValueError("data.tokenizer.train: pass RunInputs(tokenizer_dir=...), where the "
+                         "data stage saved the trained tokenizer")
+    return inputs.tokenizer_dir or default

@@ -63,13 +63,38 @@ def ingest_source_args(source: str, layout: Layout) -> list[str]:
     return ["--input", source]
 
 
-def ingest(campaign: Campaign, layout: Layout) -> dict:
+def _ingest_args(campaign: Campaign, layout: Layout) -> list:
     d = campaign.data
     args = [*ingest_source_args(d.source, layout), "--output-dir", layout.ingest,
             "--min-chars", d.min_doc_chars, "--max-chars", d.max_doc_chars]
-    if not d.dedup:
-        args.append("--no-dedup")
-    return _stage(campaign, "jobscripts.ingest", *args)
+    return [*args, "--no-dedup"] if not d.dedup else args
+
+
+def _ingest_tasks(campaign: Campaign) -> int:
+    """Array tasks of the ingest: ``data.array_tasks`` for a source on the cluster's disks;
+    a remote one (s3://, hf://) is fetched by one job into one folder, so 1."""
+    remote = "://" in campaign.data.source
+    return 1 if remote else campaign.data.array_tasks
+
+
+def ingest(campaign: Campaign, layout: Layout) -> dict:
+    """The ingest task's job: all of it, else the job after the array (:func:`ingest_array`)
+    that checks every task, runs the global dedup and writes the result."""
+    tasks = _ingest_tasks(campaign)
+    extra = ["--merge-tasks", tasks] if tasks > 1 else []
+    return _stage(campaign, "jobscripts.ingest", *_ingest_args(campaign, layout), *extra)
+
+
+def ingest_array(campaign: Campaign, layout: Layout) -> dict | None:
+    """With ``data.array_tasks`` > 1 and a source on the cluster: the array whose task I
+    ingests the I-th contiguous group of input files (each task's result is
+    ``result_I.json``); None for one task."""
+    tasks = _ingest_tasks(campaign)
+    if tasks == 1:
+        return None
+    stage = _stage(campaign, "jobscripts.ingest", *_ingest_args(campaign, layout),
+                   "--array-tasks", tasks)
+    return {**stage, "job": {**stage["job"], "array": f"0-{tasks - 1}"}, "tasks": tasks}
 
 
 def raw_gate(campaign: Campaign, layout: Layout) -> dict:
@@ -92,12 +117,31 @@ def tokenizer(campaign: Campaign, layout: Layout) -> dict:
 
 
 def tokenize(campaign: Campaign, layout: Layout) -> dict:
-    workers = campaign.data.tokenize_workers
-    return _stage(campaign, "jobscripts.tokenize_megatron", "--input", layout.jsonl,
-                  "--tokenizer", layout.tokenizer, "--output-dir", layout.tokens,
-                  # One merged prefix: Megatron's blend of per-shard prefixes gives a shard
-                  # with no validation documents weight 0, which it refuses.
-                  "--workers", workers, "--merge", MERGED_PREFIX, cpus=workers)
+    """The tokenize task's job: all of it (one array task), else the merge after the array
+    (:func:`tokenize_array`), which tokenizes nothing and writes the manifest."""
+    workers, tasks = campaign.data.tokenize_workers, campaign.data.array_tasks
+    common = ["--input", layout.jsonl, "--tokenizer", layout.tokenizer,
+              "--output-dir", layout.tokens,
+              # One merged prefix: Megatron's blend of per-shard prefixes gives a shard
+              # with no validation documents weight 0, which it refuses.
+              "--merge", MERGED_PREFIX]
+    if tasks > 1:
+        return _stage(campaign, "jobscripts.tokenize_megatron", *common, "--merge-tasks", tasks)
+    return _stage(campaign, "jobscripts.tokenize_megatron", *common[:6], "--workers", workers,
+                  *common[6:], cpus=workers)
+
+
+def tokenize_array(campaign: Campaign, layout: Layout) -> dict | None:
+    """With ``data.array_tasks`` > 1: the array whose task I tokenizes the I-th contiguous
+    group of the ingested shards (``$SLURM_ARRAY_TASK_ID``; each task's result is
+    ``result_I.json``), one per node as Slurm places them; None for one task."""
+    workers, tasks = campaign.data.tokenize_workers, campaign.data.array_tasks
+    if tasks == 1:
+        return None
+    stage = _stage(campaign, "jobscripts.tokenize_megatron", "--input", layout.jsonl,
+                   "--tokenizer", layout.tokenizer, "--output-dir", layout.tokens,
+                   "--workers", workers, "--array-tasks", tasks, cpus=workers)
+    return {**stage, "job": {**stage["job"], "array": f"0-{tasks - 1}"}, "tasks": tasks}
 
 
 def token_gate(campaign: Campaign, layout: Layout, ingest_result: str) -> dict:

@@ -95,6 +95,8 @@ def summary(campaign: Campaign, dataset_tokens: int | None = None, history=()) -
         ("Segments", f"up to {s.max_per_run} per DAG run"
                      + (f", {s.iters_per_segment} iters each at most" if s.iters_per_segment
                         else "")),
+        ("Pre-queued", f"{s.prequeue_depth} segment job(s) ahead, afterok (docs/prequeue.md)"
+                       if s.prequeue_depth else "none: each segment submitted after the last"),
     ]
     body = "\n".join(f"| {name} | {value} |" for name, value in rows)
     head = f"### Campaign `{campaign.name}`\n\n"

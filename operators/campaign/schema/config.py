@@ -36,6 +36,7 @@ from operators.campaign.schema.fields import (
     Text,
     slurm_minutes,
 )
+from operators.campaign.schema.health import Health
 from operators.campaign.schema.rules import cross_field_problems
 
 HfModelId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/"
@@ -60,6 +61,7 @@ def _exactly_one(section: BaseModel, *names: str) -> None:
 MAX_LIST = 256  # binds, set-up lines
 MAX_PREFIXES = 4096  # data prefixes or blend entries
 MAX_SEGMENTS_PER_RUN = 1000  # segment tasks one DAG run holds
+MAX_PREQUEUE_DEPTH = 8  # segment jobs queued ahead of the running one (docs/prequeue.md)
 
 
 class Container(Section):
@@ -160,6 +162,9 @@ class Data(Section):
     gate: Gate = Gate()
     tokenizer: Tokenizer
     tokenize_workers: PosInt = 1
+    # Ingest and tokenization as Slurm job arrays of this many tasks (each a group of input
+    # shards, spread over the nodes), then one merge job; 1: one job each.
+    array_tasks: PosInt = 1
 
     @model_validator(mode="after")
     def _checks(self):
@@ -247,7 +252,18 @@ def _count_or_auto(value, handler):
         return handler(value)
     except ValidationError:
         raise PydanticCustomError("count_or_auto", "a positive number of iterations or 'auto' "
-                                  "(got {value!r})", {"value": value}) from None
+                                  "(got {value})", {"value": repr(value)}) from None
+
+
+def _minutes_or_auto(value, handler):
+    # "auto" or a positive number of minutes, with one error at the field (see above).
+    if value == "auto":
+        return value
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("minutes_or_auto", "a positive number of minutes or 'auto' "
+                                  "(got {value})", {"value": repr(value)}) from None
 
 
 class Checkpoint(Section):
@@ -290,11 +306,18 @@ class Segments(Section):
     # segment tasks one DAG run creates; surplus ones skip when done
     max_per_run: Annotated[PosInt, Field(le=MAX_SEGMENTS_PER_RUN)] = 4
     iters_per_segment: PosInt | None = None  # also cut at iteration multiples (exit_interval)
+    # A running segment whose log shows no progress this long is stopped and retried; "auto":
+    # from its measured step time (tracking/hang.py, docs/log-watch.md).
+    hang_timeout_min: Annotated[PosFloat | Literal["auto"],
+                                WrapValidator(_minutes_or_auto)] = "auto"
     # Job start -> the trainer's exit timer (container, imports, recipe; Bridge starts its
     # timer inside pretrain()), until a segment has measured it (startup_seconds).
     startup_estimate_min: NonNegFloat = 10.0
     save_estimate_s: NonNegFloat = 120.0  # a save, until an earlier segment has measured one
     margin_min: Annotated[float, Field(ge=2)] = 5.0  # slack before the hard limit
+    # Segment jobs queued behind the running one (afterok), so the chain goes on while
+    # Airflow is down; 0: each segment is submitted after the one before ended.
+    prequeue_depth: Annotated[NonNegInt, Field(le=MAX_PREQUEUE_DEPTH)] = 1
 
 
 class Campaign(Section):
@@ -312,6 +335,7 @@ class Campaign(Section):
     retries: Retries = Retries()
     segments: Segments = Segments()
     stages: Stages = Stages()
+    health: Health = Health()  # schema/health.py, docs/health.md
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -324,9 +348,9 @@ class Campaign(Section):
 
     @property
     def world_size(self) -> int:
-        """Training processes: one per GPU; the CPU reference trainer is one process."""
+        """Training processes: one per GPU; the CPU reference trainer one per node."""
         if self.model.reference is not None:
-            return 1
+            return self.cluster.nodes
         return self.cluster.nodes * self.cluster.gpus_per_node
 
     @property

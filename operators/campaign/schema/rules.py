@@ -129,6 +129,8 @@ def _segments(c):
 MAX_CPUS_PER_TASK = 1024
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 10_000
+# Slurm's default MaxArraySize is 1001 (indices 0-1000): a larger array is refused at sbatch.
+MAX_ARRAY_TASKS = 1000
 MAX_RETRIES = 100
 MAX_RETRY_DELAY_S = 86_400  # Airflow's backoff grows from it; a timedelta overflows past 10**14
 
@@ -155,6 +157,9 @@ def _limits(c):
                              ("cluster.nodes", cl.nodes, MAX_NODES)):
         if value is not None and value > cap:
             yield name, f"{value} is more than any node has (at most {cap})"
+    if c.data.array_tasks > MAX_ARRAY_TASKS:
+        yield "data.array_tasks", (f"{c.data.array_tasks} tasks is more than Slurm's default "
+                                   f"MaxArraySize allows (at most {MAX_ARRAY_TASKS})")
     for stage, placement in c.stages:  # each stage's own placement, where it sets one
         for field, cap in (("cpus_per_task", MAX_CPUS_PER_TASK),
                            ("gpus_per_node", MAX_GPUS_PER_NODE)):

@@ -1,0 +1,33 @@
+"""The settings of an all-in-one Airflow (``airflow standalone``) on one small machine: the
+demo's (operators/demo.py) and the test suite's (tests/support/airflow.py) share them.
+
+Two of them are about load, not features. On 2 cores with a campaign's jobs, an MLflow server
+and the scheduler beside it, the api-server can take longer than Airflow's default 5 s to
+answer a task's execution-API call; after its retries the supervisor kills the task (a demo's
+first task died so at load 22, its log ending at "Pre Execute"). And an idle scheduler that
+checks for fired triggers every 0.2 s instead of every 1 s removes most of the delay between a
+Slurm job's end and its task's resumption (make bench: README).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SCHEDULER_IDLE_SLEEP_S = "0.2"
+EXECUTION_API_TIMEOUT_S = "30"
+
+
+def standalone_settings(home: Path, dags_folder: Path, port: int) -> dict[str, str]:
+    """Airflow's settings (as ``AIRFLOW__*`` variables) for a standalone on ``port``."""
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+        "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": SCHEDULER_IDLE_SLEEP_S,
+        "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": EXECUTION_API_TIMEOUT_S,
+    }

@@ -1,0 +1,264 @@
+"""Faults that need several nodes, on the real 3-node local cluster, through the worker's
+SlurmHook (no Airflow): a 2-node reference segment whose node goes DOWN under it, and one
+whose rank is SIGKILLed.
+
+Each job hangs on cue after iteration 3 (jobscripts/trainer_faults.py; its checkpoint is at
+2), which gives the fault a moment where the job is certainly training.
+
+The node-state and link tests are ``disruptive`` (run alone, under ``flock -x
+/tmp/pp-cluster.lock``); every node is resumed and the link restored in ``finally``. The killed
+rank touches only the test's own processes (``flock -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from jobscripts.job_files import REFERENCE_FAULTS, SEGMENT_RESULT
+from operators.campaign.render.reference import CONFIG_FILE
+from operators.slurm.operator import LOG_NAME, SlurmJobOperator
+from operators.slurm.states import Outcome, classify
+from tests.support import cluster
+from tests.support.trainer import losses
+from tests.trainer.test_multinode_cluster import (
+    segment_spec,
+    submit,
+    tiny_config,
+    upload_dataset,
+    wait_done,
+)
+
+pytestmark = pytest.mark.cluster
+
+# The node-down and cut-off stories were written but had not run on the cluster when they were
+# committed (the exclusive cluster lock never came free before the deadline): opt in to run them.
+UNVERIFIED = pytest.mark.skipif(not os.environ.get("PP_MULTINODE_UNVERIFIED"),
+                                reason="not yet run on the cluster; PP_MULTINODE_UNVERIFIED=1")
+HANG = {"hang": {"at_iteration": 3, "signals": True}}
+# Holds the master port (bridge.py's MASTER_PORT) on all of a node's addresses.
+SQUAT = ("import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 29500)); s.listen(); "
+         "print('listening', flush=True); time.sleep(600)")
+
+
+def scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def job_field(job_id: str, name: str) -> str:
+    for word in scontrol("show", "job", job_id).split():
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    raise AssertionError(f"scontrol show job {job_id} has no {name}")
+
+
+def log_of(hook, job) -> str:
+    key, run_dir, job_id = job
+    return hook.read_bytes(posixpath.join(run_dir, LOG_NAME.replace("%j", job_id))).decode()
+
+
+def wait_hanging(hook, job, timeout: float = 420) -> None:
+    cluster.wait_for(lambda: "TEST FAULT: hanging after iteration 3" in log_of(hook, job),
+                     timeout, f"job {job[2]} to reach its hang")
+
+
+def trainer_pid(job_id: str, node_rank: int) -> int:
+    """The trainer process of ``job_id`` with that node rank: found by its environment (the
+    nodes share this machine's PID namespace), never by a name."""
+    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_NODEID={node_rank}".encode()}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if b"jobscripts.reference_trainer" in cmdline and b"torch.distributed.run" not in \
+                cmdline and wanted <= environ:
+            return int(proc.name)
+    raise AssertionError(f"no trainer of job {job_id} at node rank {node_rank}")
+
+
+def faulty_config(hook, prefix: str, name: str, **changes) -> dict:
+    config = tiny_config(prefix, posixpath.join(posixpath.dirname(prefix), name),
+                         save_interval=2, **changes)
+    # upload() takes plain names only: the fault file is renamed into place as the cluster user.
+    hook.upload(config["save"], {"faults.json": json.dumps(HANG)})
+    save = shlex.quote(config["save"])
+    hook.check(f"mv {save}/faults.json {save}/{REFERENCE_FAULTS}")
+    return config
+
+
+@pytest.mark.disruptive
+@UNVERIFIED
+def test_node_down_requeues_or_is_excluded_and_a_taken_port_fails_clearly(hook, tmp_path):
+    prefix = upload_dataset(hook, tmp_path)
+    timings = {}
+    try:
+        # (a) node2 of a running --requeue segment on node[1-2] goes DOWN.
+        config = faulty_config(hook, prefix, "ckpt-down")
+        job = submit(hook, 2, config, "down", exclude="node3")
+        wait_hanging(hook, job)
+        assert job_field(job[2], "NodeList") == "node[1-2]"
+        scontrol("update", "nodename=node2", "state=down", "reason=pp-test-node-down")
+        down_at = time.monotonic()
+        print("sinfo with node2 down:", repr(subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--format=%N %t", "--nodes=node[1-2]"],
+            capture_output=True, text=True).stdout))
+        record = wait_done(hook, job[2], job[0])
+        timings["down_to_completed_s"] = time.monotonic() - down_at
+        assert record.state == "COMPLETED", (record, log_of(hook, job)[-3000:])
+        assert record.job_id == job[2] and record.nodelist == "node[1,3]"
+        assert job_field(job[2], "Restarts") == "1"
+        segment = hook.read_json(posixpath.join(job[1], SEGMENT_RESULT))
+        assert segment["resumed_from"]["iteration"] == 2
+        assert segment["iterations_redone"] == 1  # iteration 3: trained before the fault
+        assert segment["lease"] == {"job_id": job[2], "restart_count": 1}
+        assert (segment["end_iteration"], segment["stop_reason"]) == (6, "completed")
+        log = log_of(hook, job)  # both incarnations: the log is opened in append mode
+        assert "iterations 3-3 (trained by job " + job[2] + ", restart 0" in log
+        assert sorted(losses(log, allow_repeats=True)) == [1, 2, 3, 4, 5, 6]
+        assert log.count("iteration        3/       6 |") == 2  # the one redone
+        scontrol("update", "nodename=node2", "state=resume")
+
+        # (b) the same with --no-requeue: NODE_FAIL; the operator's retry excludes node2 only
+        # (the cluster cannot spare both of the job's nodes) and runs on node1 and node3.
+        config = faulty_config(hook, prefix, "ckpt-norequeue")
+        key, run_dir, spec = segment_spec(hook, 2, "norequeue", exclude="node3", requeue=False)
+        job = (key, run_dir, hook.submit(spec, run_dir, {CONFIG_FILE: json.dumps(config)}))
+        wait_hanging(hook, job)
+        scontrol("update", "nodename=node2", "state=down", "reason=pp-test-node-down")
+        record = wait_done(hook, job[2], job[0])
+        assert (record.state, classify(record.state)) == ("NODE_FAIL", Outcome.RETRYABLE)
+        operator = SlurmJobOperator(task_id="segment", ssh_conn_id=cluster.CONN_ID)
+        retry_spec = operator._avoid_failed_nodes(replace(spec, exclude=None), record)
+        assert retry_spec.exclude == "node2"
+        job = (key, run_dir, hook.submit(retry_spec, run_dir,
+                                         {CONFIG_FILE: json.dumps(config)}))
+        record = wait_done(hook, job[2], job[0])
+        assert record.state == "COMPLETED" and record.nodelist == "node[1,3]", record
+        segment = hook.read_json(posixpath.join(run_dir, SEGMENT_RESULT))
+        assert segment["resumed_from"]["iteration"] == 2 and segment["iterations_redone"] == 1
+        scontrol("update", "nodename=node2", "state=resume")
+
+        # (e) the rendezvous cannot form: node2's master port is taken. torchrun's store
+        # fails to listen; the job fails fast and says why in its log (the task's error).
+        squatter = subprocess.Popen(
+            ["nsenter", "--net=/run/netns/node2", sys.executable, "-c", SQUAT],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert squatter.stdout.readline().strip() == "listening"
+            job = submit(hook, 2, config, "port-taken", exclude="node1")
+            record = wait_done(hook, job[2], job[0], timeout=300)
+            assert record.state == "FAILED", record
+            log = log_of(hook, job)
+            assert "EADDRINUSE" in log or "address already in use" in log, log[-3000:]
+        finally:
+            squatter.kill()
+            squatter.wait()
+    finally:
+        for node in ("node1", "node2", "node3"):
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
+                           capture_output=True)
+    print("multinode fault timings:", json.dumps({k: round(v) for k, v in timings.items()}))
+
+
+def orphans(job_id: str) -> list[int]:
+    """Processes of ``job_id``'s first incarnation still alive (SLURM_RESTART_COUNT unset)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ and not any(
+                e.startswith(b"SLURM_RESTART_COUNT=") and e != b"SLURM_RESTART_COUNT=0"
+                for e in environ):
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.disruptive
+@UNVERIFIED
+def test_node_cut_off_requeues_and_its_orphans_are_fenced(hook, tmp_path):
+    """(c) node1 (rank 0, the rendezvous host) loses its link under a running --requeue
+    segment: Slurm finds it not responding, marks it down and requeues the job on node[2-3].
+    When the link is back, the orphaned rank 0 must not write into the checkpoints."""
+    prefix = upload_dataset(hook, tmp_path)
+    config = faulty_config(hook, prefix, "ckpt-cut")
+    timings = {}
+    try:
+        job = submit(hook, 2, config, "cut", exclude="node3")
+        wait_hanging(hook, job)
+        assert job_field(job[2], "NodeList") == "node[1-2]"
+        first_rank0 = trainer_pid(job[2], 0)
+        subprocess.run(["ip", "link", "set", "pp-veth1", "down"], check=True)
+        cut_at = time.monotonic()
+        record = wait_done(hook, job[2], job[0], timeout=600)
+        timings["cut_to_completed_s"] = time.monotonic() - cut_at
+        assert record.state == "COMPLETED" and record.nodelist == "node[2-3]", record
+        assert job_field(job[2], "Restarts") == "1"
+        assert Path(f"/proc/{first_rank0}").exists(), "the orphan should outlive the cut"
+    finally:
+        subprocess.run(["ip", "link", "set", "pp-veth1", "up"], check=True)
+    try:
+        back_at = time.monotonic()
+        cluster.wait_for(lambda: not orphans(job[2]), 300, "the orphans to end")
+        timings["link_up_to_orphans_gone_s"] = time.monotonic() - back_at
+        segment = hook.read_json(posixpath.join(job[1], SEGMENT_RESULT))
+        assert segment["lease"] == {"job_id": job[2], "restart_count": 1}
+        assert (segment["end_iteration"], segment["stop_reason"]) == (6, "completed")
+        lease = hook.read_json(posixpath.join(config["save"], ".checkpoint-lease.json"))
+        assert lease["restart_count"] == 1
+        for iteration in (4, 6):
+            marker = hook.read_json(posixpath.join(
+                config["save"], f"iter_{iteration:07d}", "complete.json"))
+            assert marker["metadata"]["restart_count"] == 1
+        print("orphan's last words:", [line for line in log_of(hook, job).splitlines()
+                                       if "lease" in line or "Fenced" in line][-3:])
+    finally:
+        cluster.wait_for(lambda: "node1" in subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--format=%N %t", "--nodes=node1"],
+            capture_output=True, text=True).stdout, 60, "node1 listed")
+        subprocess.run(["scontrol", "update", "nodename=node1", "state=resume"],
+                       capture_output=True)
+    print("cut-off timings:", json.dumps({k: round(v) for k, v in timings.items()}))
+
+
+def test_a_killed_rank_fails_the_job_fast_and_the_retry_resumes(hook, tmp_path):
+    """(d) touches only this test's own processes: the shared cluster lock is enough."""
+    prefix = upload_dataset(hook, tmp_path)
+    timings = {}
+    # (d) one rank SIGKILLed: --kill-on-bad-exit ends the job at once, not at its limit.
+    config = faulty_config(hook, prefix, "ckpt-kill")
+    job = submit(hook, 2, config, "kill", exclude="node1")
+    wait_hanging(hook, job)
+    os.kill(trainer_pid(job[2], 1), signal.SIGKILL)
+    killed_at = time.monotonic()
+    record = wait_done(hook, job[2], job[0], timeout=300)
+    timings["kill_to_failed_s"] = time.monotonic() - killed_at
+    assert record.state == "FAILED" and record.nodelist == "node[2-3]", record
+    log = log_of(hook, job)
+    assert "ChildFailedError" in log or "Exited with exit code" in log, log[-3000:]
+    # The retry resumes from the checkpoint the killed job left.
+    retry = submit(hook, 2, config, "kill-retry", exclude="node1")
+    record = wait_done(hook, retry[2], retry[0])
+    assert record.state == "COMPLETED", log_of(hook, retry)[-3000:]
+    segment = hook.read_json(posixpath.join(retry[1], SEGMENT_RESULT))
+    assert segment["resumed_from"]["iteration"] == 2 and segment["iterations_redone"] == 1
+
+    print("killed-rank timings:", json.dumps({k: round(v) for k, v in timings.items()}))

@@ -144,14 +144,18 @@ def slowest_modules(lane: Lane, top: int = 6) -> str:
 
 
 def failures(junit_xml: str) -> list[tuple[str, str]]:
-    """(test id, the first line of its failure or error message) for every failed or errored
-    test case of a JUnit report: what CI's tail must show, since the tracebacks scroll away."""
+    """(test id, its failure or error message's first line, and its last when it has more)
+    for every failed or errored test case of a JUnit report: what CI's tail must show, since
+    the tracebacks scroll away. The last line too, because a wrapped error ("local_stack.sh up
+    failed:" and the script's output) says why only at its end."""
     found = []
     for case in ET.fromstring(junit_xml).iter("testcase"):
         for problem in (*case.iter("failure"), *case.iter("error")):
-            message = (problem.get("message") or problem.text or "").strip().splitlines()
+            text = (problem.get("message") or problem.text or "").strip()
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            summary = " ... ".join(lines[:1] + lines[-1:] * (len(lines) > 1)) or problem.tag
             found.append((f"{case.get('classname', '')}::{case.get('name', '')}",
-                          message[0][:300] if message else problem.tag))
+                          summary[:500]))
     return found
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from operators.tracking.names import CHILD_KEY_TAG
 from tests.support import cluster
 from tests.support.stack import TRIGGERERS, WORKERS, Stack, StackAirflow
 
@@ -295,7 +296,15 @@ def tracking(story):
     # campaign folder names.
     parent_id = (CAMPAIGN / "mlflow_run_id").read_text().strip()
     parents = [r for r in runs if r.info.run_id == parent_id]
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id]
+    # Not another DAG run's task children: records an aborted earlier story spooled are flushed
+    # to the campaign's parent when MLflow is back. A task's child key is "<DAG run id>/<task
+    # id>/<map index>" (adapters/tracking.py); an export's is its name, with no run id.
+    def this_runs(child) -> bool:
+        run, sep, _ = child.data.tags.get(CHILD_KEY_TAG, "").partition("/")
+        return not sep or run == story.run_id
+
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id
+                and this_runs(r)]
     return client, parents, children
 
 

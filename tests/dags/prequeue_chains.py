@@ -14,12 +14,12 @@ without them this file defines no DAG.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 
-from airflow.sdk import DAG, chain
+from airflow.sdk import DAG
 
-from operators.campaign.dag.segment import TrainingSegmentOperator
+from operators.campaign.dag.dag_factory import segment_chain
 from operators.campaign.schema.load import load_campaign
 
 ROOT = Path("/home/pretrain/pp-test-prequeue-dags")
@@ -42,9 +42,5 @@ for _path in sorted(CAMPAIGNS_DIR.glob("*.yaml")):
     _campaign = load_campaign(_path)
     with DAG(dag_id(_campaign.name), schedule=None, start_date=datetime(2026, 1, 1),
              catchup=False, tags=["test"]) as _dag:
-        _retry = _campaign.retries.train
-        chain(*[TrainingSegmentOperator(task_id=f"segment_{i}", campaign=_campaign, segment=i,
-                                        retries=_retry.retries,
-                                        retry_delay=timedelta(seconds=_retry.retry_delay))
-                for i in range(1, _campaign.segments.max_per_run + 1)])
+        segment_chain(_campaign)
     globals()[_dag.dag_id] = _dag

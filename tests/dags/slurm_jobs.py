@@ -23,10 +23,10 @@ RESULT = "printf '{\"answer\": %s}' 42 > result.json"
 class CrashAfterSubmit(SlurmJobOperator):
     """Dies on its first try right after submitting, as a worker lost mid-task would."""
 
-    def _persist(self, context, where):
-        super()._persist(context, where)
+    def on_job_found(self, context, record):
+        # The job is submitted and its location pushed: what a retry re-attaches by.
         if context["ti"].try_number == 1:
-            raise RuntimeError(f"simulated worker crash after submitting job {where.job_id}")
+            raise RuntimeError(f"simulated worker crash after submitting job {record.job_id}")
 
 
 with DAG("slurm_success", **COMMON):

@@ -50,6 +50,19 @@ def _retry_args(retry) -> dict:
             "retry_exponential_backoff": retry.exponential_backoff}
 
 
+def segment_chain(campaign: Campaign, operator: type = TrainingSegmentOperator,
+                  **kwargs) -> list[SlurmJobOperator]:
+    """The campaign's ``segment_1 >> ... >> segment_N`` (N: ``segments.max_per_run``) with its
+    train retries, in the DAG being defined: the train group's body, and the whole of the
+    chain-only DAGs that pre-queueing and goodput are measured on. ``operator``: the segments'
+    class (a health campaign's announces checkpoints and obeys holds)."""
+    segments = [operator(task_id=f"segment_{i}", campaign=campaign, segment=i,
+                         **_retry_args(campaign.retries.train), **kwargs)
+                for i in range(1, campaign.segments.max_per_run + 1)]
+    chain(*segments)
+    return segments
+
+
 def _params(campaign: Campaign) -> dict:
     t, s = campaign.training, campaign.segments
     return {
@@ -250,13 +263,9 @@ def build_dag(campaign: Campaign, source: Path | None = None, *, auto_register: 
             # health: segments announce checkpoints, watch the loss, obey a hold (health.py)
             segment_operator = HealthSegmentOperator if uses_health(campaign) \
                 else TrainingSegmentOperator
-            segments = [
-                segment_operator(task_id=f"segment_{i}", campaign=campaign, segment=i,
-                                        trigger_rule=TRIGGER_RULE_AFTER_DATA,
-                                        **_retry_args(r.train))
-                for i in range(1, campaign.segments.max_per_run + 1)
-            ]
-            chain(preflight, *segments)
+            segments = segment_chain(campaign, segment_operator,
+                                     trigger_rule=TRIGGER_RULE_AFTER_DATA)
+            preflight >> segments[0]
         if data is not None:
             data >> train
         train >> _finish_stage(campaign, layout, _retry_args(r.export))[0]

@@ -42,8 +42,9 @@ DAG_ID = dag_id(DEMO)
 EVAL_DAG_ID = eval_dag_id(DEMO)
 LAYOUT = Layout.for_campaign(DEMO)
 BIN = Path(sys.executable).parent
-# The evaluation DAG runs one checkpoint batch at a time (max_active_runs=1), and its tasks
-# wait on Slurm deferred, outside the pool's slots: one slot is all it uses.
+# The evaluation DAG's runs (one per checkpoint event, several at once) wait on Slurm deferred,
+# outside the pool's slots: one slot only takes their short worker parts in turn, and Slurm
+# queues their jobs on the nodes' CPUs.
 EVAL_POOL_SLOTS = 1
 ACTIVE_RUN_STATES = ("queued", "running")
 # After the campaign's run: its last checkpoint's evaluation is usually the one the final

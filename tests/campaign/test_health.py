@@ -50,6 +50,37 @@ def test_ledger_evaluates_each_announced_checkpoint_once() -> None:
     assert eval_dag.to_evaluate(states) == [6]
 
 
+def test_a_run_claims_its_events_checkpoints_and_a_dead_runs_never_a_live_ones() -> None:
+    """Several evaluation runs at once (no max_active_runs=1: apache/airflow#56050): each
+    checkpoint is claimed by one run, and one a run claimed and never evaluated is taken over
+    once that run ended."""
+    A, E, S = eval_dag.ANNOUNCED, eval_dag.EVALUATED, eval_dag.SKIPPED
+    text = (eval_dag.ledger_lines([(2, A)], run_id="r1")
+            + eval_dag.ledger_lines([(2, E)], run_id="r1")
+            + eval_dag.ledger_lines([(4, A)], run_id="dead")
+            + eval_dag.ledger_lines([(6, A)], run_id="busy")
+            + eval_dag.ledger_lines([(8, A)], run_id="me")
+            + eval_dag.ledger_lines([(10, S)], run_id="r1"))
+    entries = eval_dag.read_entries(text)
+    assert entries[4] == eval_dag.LedgerEntry(A, "dead")
+    asked: list[str] = []
+
+    def live(run_id: str) -> bool:
+        asked.append(run_id)
+        return run_id == "busy"
+
+    # its events: 12 (new), 2 (evaluated), 6 (a live run's: a duplicate event), 10 (skipped)
+    take, mine = eval_dag.claims(entries, {12, 2, 6, 10}, "me", live)
+    assert take == [4, 12]  # the dead run's claim and its own new one
+    assert mine == [4, 8, 12]  # and what it claimed before (a retry of pending)
+    assert sorted(set(asked)) == ["busy", "dead"]  # never asked about itself or ended states
+    # an entry from before claims named runs counts as nobody's: taken
+    assert eval_dag.claims(eval_dag.read_entries(eval_dag.ledger_lines([(2, A)])), set(), "me",
+                           live) == ([2], [2])
+    # a run with no events of its own (run "busy", while "me" still runs): the dead run's only
+    assert eval_dag.claims(entries, set(), "busy", lambda r: r in {"busy", "me"}) == ([4], [4, 6])
+
+
 def test_the_final_evaluate_waits_for_a_run_with_the_checkpoint_never_for_a_lost_event() -> None:
     """The demo's third checkpoint event was dropped by Airflow (apache/airflow#56050) and the
     final evaluate waited its whole REUSE_WAIT_S for an evaluation nobody ran."""
@@ -104,7 +135,8 @@ def test_factory_makes_the_evaluation_dag_only_when_asked(tmp_path) -> None:
     assert evals.dag_id == "pretrain__demo__eval"
     assert [t.task_id for t in evals.tasks] == ["pending", "export", "evaluate"]
     assert {t.pool for t in evals.tasks} == {"pp_eval"}
-    assert evals.max_active_runs == 1
+    # runs at once: at max_active_runs=1 Airflow strands events (apache/airflow#56050)
+    assert evals.max_active_runs == eval_dag.EVAL_MAX_ACTIVE_RUNS > 1
 
 
 def test_batches_to_skip_reach_each_trainers_config_in_its_numbering(tmp_path) -> None:

@@ -7,12 +7,15 @@ evaluation DAG ``pretrain__<name>__eval`` scheduled on it (docs/health.md).
 With ``health.evaluate_checkpoints`` each segment that leaves a new complete checkpoint (its
 task succeeds: the tracker advanced) emits an event for the asset ``<name>-checkpoints`` with
 the tracker's iteration in its extra. The evaluation DAG runs on that asset, one run at a
-time, in its own pool (``health.eval_pool``), so a training segment never waits for it.
-Airflow queues the events that arrive while a run is going and hands them all to the next
-run, and ``pending`` also keeps its own ledger on the cluster
-(``<campaign>/checkpoint_evals/ledger.jsonl``: announced, evaluated, skipped), so each
-checkpoint is evaluated once even when several events land in one run or a run failed; one
-that retention removed first is logged and recorded as skipped.
+its own pool (``health.eval_pool``), so a training segment never waits for it. It allows
+several runs at once: with ``max_active_runs=1``, Airflow 3.3 leaves the events that arrive
+while a run is going queued until some later event comes (apache/airflow#56050), so the last
+checkpoint's was never evaluated. Each run takes the events the scheduler handed it, and
+``pending`` keeps a ledger on the cluster (``<campaign>/checkpoint_evals/ledger.jsonl``:
+announced by run R, evaluated, skipped), so each checkpoint is evaluated once: a run claims
+what its events announced and what a run that ended without evaluating it had claimed, never
+what another live run holds; one that retention removed first is logged and recorded as
+skipped.
 
 The final ``evaluate`` of the campaign DAG reuses the evaluation of the last checkpoint when
 this DAG already wrote it (:class:`ReusingEvaluateOperator`).
@@ -21,6 +24,8 @@ this DAG already wrote it (:class:`ReusingEvaluateOperator`).
 from __future__ import annotations
 
 import json
+import posixpath
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import DAG, Asset, task
@@ -53,6 +58,9 @@ REUSE_POLL_S = 5
 # an announced checkpoint it never recorded counts as lost: between one run's end and the next
 # run's creation it is idle for a moment.
 IDLE_POLLS = 3
+# The evaluation DAG's runs at once: one per checkpoint event in flight; a campaign announces
+# one per segment, so more than a few means the evaluations fall behind the training.
+EVAL_MAX_ACTIVE_RUNS = 8
 
 
 def checkpoints_asset(campaign: Campaign) -> Asset:
@@ -90,14 +98,27 @@ class AnnouncingSegmentOperator(TrainingSegmentOperator):
 
 
 # -- the ledger ---------------------------------------------------------------------------
-def read_ledger(text: str | None) -> dict[int, str]:
-    """iteration -> its latest state (announced, evaluated, skipped). Pure."""
-    states: dict[int, str] = {}
+@dataclass(frozen=True)
+class LedgerEntry:
+    """An iteration's latest line in the ledger: its state and the run that wrote it."""
+
+    state: str
+    run_id: str | None = None
+
+
+def read_entries(text: str | None) -> dict[int, LedgerEntry]:
+    """iteration -> its latest entry. Pure."""
+    entries: dict[int, LedgerEntry] = {}
     for line in (text or "").splitlines():
         if line.strip():
             entry = json.loads(line)
-            states[int(entry[ITERATION_KEY])] = entry["state"]
-    return states
+            entries[int(entry[ITERATION_KEY])] = LedgerEntry(entry["state"], entry.get("run_id"))
+    return entries
+
+
+def read_ledger(text: str | None) -> dict[int, str]:
+    """iteration -> its latest state (announced, evaluated, skipped). Pure."""
+    return {i: e.state for i, e in read_entries(text).items()}
 
 
 def ledger_lines(entries: list[tuple[int, str]], **extra: Any) -> str:
@@ -110,12 +131,34 @@ def to_evaluate(states: dict[int, str]) -> list[int]:
     return sorted(i for i, s in states.items() if s == ANNOUNCED)
 
 
-def _append_ledger(hook, layout: Layout, entries: list[tuple[int, str]], **extra: Any) -> None:
-    from operators.campaign.adapters.remote import read_text, write_file
+def claims(entries: dict[int, LedgerEntry], announced: set[int], run_id: str,
+           live: Callable[[str], bool]) -> tuple[list[int], list[int]]:
+    """(what run ``run_id`` must write as claimed by it, everything it evaluates), oldest
+    first. It evaluates what its own events announced, unless the ledger has it evaluated,
+    skipped or claimed by another live run (a duplicate event); and what a run no longer
+    ``live`` claimed and never evaluated (a failed run's). Its own claims (a retry of
+    ``pending`` in the same run) stay its own. Pure but for ``live``, asked only of other
+    runs' claims."""
+    def orphaned(entry: LedgerEntry) -> bool:
+        return entry.state == ANNOUNCED and entry.run_id != run_id and (
+            entry.run_id is None or not live(entry.run_id))
 
-    if entries:  # one run at a time (max_active_runs=1): no other writer
+    take = [i for i in sorted({*announced, *entries})
+            if (i in announced and i not in entries) or (i in entries and orphaned(entries[i]))]
+    mine = sorted({*take, *(i for i, e in entries.items()
+                            if e.state == ANNOUNCED and e.run_id == run_id)})
+    return take, mine
+
+
+def _append_ledger(hook, layout: Layout, entries: list[tuple[int, str]], **extra: Any) -> None:
+    """Appends, in one ``>>`` of a few hundred bytes: the evaluation DAG's runs may write at
+    once, and an O_APPEND write this small is not interleaved with another."""
+    import shlex
+
+    if entries:
         path = render.ledger_path(layout)
-        write_file(hook, path, (read_text(hook, path) or "") + ledger_lines(entries, **extra))
+        hook.check(f"mkdir -p -- {shlex.quote(posixpath.dirname(path))} && printf '%s' "
+                   f"{shlex.quote(ledger_lines(entries, **extra))} >> {shlex.quote(path)}")
 
 
 def _pending_task(campaign: Campaign):
@@ -137,13 +180,20 @@ def _pending_task(campaign: Campaign):
         log = logging.getLogger(__name__)
         hook, layout = SlurmHook(campaign.cluster.ssh_conn_id), Layout.for_campaign(campaign)
         events = list((triggering_asset_events or {}).get(asset, []))
-        states = read_ledger(read_text(hook, render.ledger_path(layout)))
-        announced = sorted({int(e.extra[ITERATION_KEY]) for e in events
-                            if ITERATION_KEY in (e.extra or {})} - set(states))
-        log.info("checkpoints announced by this run's %d event(s): %s", len(events), announced)
-        _append_ledger(hook, layout, [(i, ANNOUNCED) for i in announced], run_id=ti.run_id)
-        states.update(dict.fromkeys(announced, ANNOUNCED))
-        wanted = to_evaluate(states)
+        entries = read_entries(read_text(hook, render.ledger_path(layout)))
+        announced = {int(e.extra[ITERATION_KEY]) for e in events
+                     if ITERATION_KEY in (e.extra or {})}
+        log.info("checkpoints announced by this run's %d event(s): %s", len(events),
+                 sorted(announced))
+
+        def live(run_id: str) -> bool:  # another run of this DAG that may still evaluate
+            return ti.get_dagrun_state(ti.dag_id, run_id) in ("queued", "running")
+
+        take, wanted = claims(entries, announced, ti.run_id, live)
+        if set(take) - announced:
+            log.info("checkpoints %s: claimed by runs that ended without evaluating them",
+                     sorted(set(take) - announced))
+        _append_ledger(hook, layout, [(i, ANNOUNCED) for i in take], run_id=ti.run_id)
         dirs = {i: checkpoints.checkpoint_dir(layout.checkpoints, i).as_posix() for i in wanted}
         gone = set(missing_files(hook, list(dirs.values())))
         skipped = [i for i in wanted if dirs[i] in gone]
@@ -230,8 +280,10 @@ def build_eval_dag(campaign: Campaign, start_date: datetime, *, backend: str = "
     """``pretrain__<name>__eval``, scheduled on the campaign's checkpoints. ``backend``: the
     one the campaign's final evaluate uses (vllm); transformers for a CPU-only cross-check."""
     pool = campaign.health.eval_pool or DEFAULT_POOL
+    # Not max_active_runs=1: at that cap Airflow 3.3 strands the events that arrive during a
+    # run (apache/airflow#56050). The pool bounds how many evaluation jobs run at once.
     with DAG(dag_id=eval_dag_id(campaign), schedule=[checkpoints_asset(campaign)],
-             start_date=start_date, catchup=False, max_active_runs=1,
+             start_date=start_date, catchup=False, max_active_runs=EVAL_MAX_ACTIVE_RUNS,
              default_args={"pool": pool, "retries": 0},
              tags=["pretrain", "evaluation"], auto_register=auto_register,
              doc_md=f"Every checkpoint of `{dag_id(campaign)}` evaluated as it lands "
@@ -260,8 +312,8 @@ class ReusingEvaluateOperator(CampaignStageOperator):
 
     def __init__(self, **kwargs: Any) -> None:
         # The checkpoints asset as an inlet: its events say which iterations were announced,
-        # also the one whose evaluation run has not started yet (the run before it is still
-        # going, max_active_runs=1) and so is not in the ledger.
+        # also one whose evaluation run has not reached ``pending`` yet and so is not in the
+        # ledger.
         super().__init__(**{**kwargs, "inlets": [checkpoints_asset(kwargs["campaign"])]})
 
     def _announced(self, context: Context, iteration: int) -> bool:

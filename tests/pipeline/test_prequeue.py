@@ -10,8 +10,8 @@
    job pre-queued behind it before it starts (three campaigns at once, one per action).
 
 The Airflow-down story (every component stopped while segment 1 trains, segment 2 finishing
-by itself, the DAG catching up) is not here yet: it has not passed on this machine (issue
-15's notes).
+by itself, the DAG catching up) is tests/pipeline/test_prequeue_airflow_down.py: it stops
+its Airflow, so it runs one of its own rather than the session's.
 """
 
 from __future__ import annotations

@@ -201,7 +201,15 @@ def test_clearing_running_tasks_cancels_their_jobs(standalone) -> None:
     def watched():  # a task marked failed before its trigger starts is not a kill
         log = af.task_log("slurm_long", run_id, "long_deferred", try_number=2)
         return f"Slurm job {fresh['long_deferred']} is" in log
-    cluster.wait_for(watched, 120, "the new trigger to watch the fresh job")
+    # A failure detector, sized for CI's load: there the triggerer took over 120 s to start
+    # the new trigger (its other triggers and the lane's jobs share two cores).
+    try:
+        cluster.wait_for(watched, 360, "the new trigger to watch the fresh job", 2)
+    except TimeoutError as exc:
+        ti = af.task_instance("slurm_long", run_id, "long_deferred")
+        raise TimeoutError(f"{exc}; task {ti['state']} try {ti['try_number']}; its log:\n"
+                           + af.task_log("slurm_long", run_id, "long_deferred",
+                                         try_number=ti["try_number"])[-3000:]) from exc
     for task in jobs:
         af.set_task_state("slurm_long", run_id, task, "failed")
     for job_id in fresh.values():

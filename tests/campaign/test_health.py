@@ -50,6 +50,18 @@ def test_ledger_evaluates_each_announced_checkpoint_once() -> None:
     assert eval_dag.to_evaluate(states) == [6]
 
 
+def test_a_segment_announces_the_checkpoint_it_saved_not_the_trackers_latest() -> None:
+    """With pre-queueing, segment 2's job may have saved iteration 4 before segment 1's task
+    ends and announces: segment 1 announces its own 2 (its result's end_iteration)."""
+    def tracker() -> int:
+        return 4
+
+    assert eval_dag.announced_iteration({"end_iteration": 2}, tracker) == 2
+    for result in (None, {}, {"end_iteration": None}, {"end_iteration": 0},
+                   {"end_iteration": True}, {"end_iteration": "2"}):
+        assert eval_dag.announced_iteration(result, tracker) == 4, result
+
+
 def test_a_run_claims_its_events_checkpoints_and_a_dead_runs_never_a_live_ones() -> None:
     """Several evaluation runs at once (no max_active_runs=1: apache/airflow#56050): each
     checkpoint is claimed by one run, and one a run claimed and never evaluated is taken over

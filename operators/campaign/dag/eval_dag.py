@@ -89,12 +89,28 @@ class AnnouncingSegmentOperator(TrainingSegmentOperator):
         super().on_job_end(context, summary, failure)  # raises when nothing advanced
         if failure is not None or not self.campaign.health.evaluate_checkpoints:
             return
-        from operators.campaign.adapters.remote import read_iteration
-
-        iteration = read_iteration(self.hook, self._layout())
+        iteration = announced_iteration(summary.result, lambda: self._tracker_iteration())
         context["outlet_events"][checkpoints_asset(self.campaign)].extra = {
             ITERATION_KEY: iteration, "segment": self.segment, "run_id": context["ti"].run_id}
         self.log.info("checkpoint %s announced for evaluation", iteration)
+
+
+    def _tracker_iteration(self) -> int:
+        from operators.campaign.adapters.remote import read_iteration
+
+        return read_iteration(self.hook, self._layout())
+
+
+def announced_iteration(result: dict | None, tracker: Callable[[], int]) -> int:
+    """The checkpoint a segment left: its own result's ``end_iteration`` (the last iteration it
+    saved), not the tracker as it is when the task ends: with pre-queueing the next segment's
+    job starts the moment this one ends and may have saved past it before this task reads the
+    tracker (seen: segment 1 of 2-iteration segments announced 4, and checkpoint 2 was never
+    evaluated). The tracker only when the result has no iteration. Pure but for ``tracker``."""
+    end = (result or {}).get("end_iteration")
+    if isinstance(end, int) and not isinstance(end, bool) and end > 0:
+        return end
+    return tracker()
 
 
 # -- the ledger ---------------------------------------------------------------------------

@@ -26,7 +26,14 @@ from pathlib import Path
 from jobscripts.common import process_group_alive
 from jobscripts.vocabulary import EVAL_METRICS
 from operators.campaign.adapters.checkpoint_eval_log import EVAL_TOKENS_CONSUMED
-from operators.campaign.dag.eval_dag import ANNOUNCED, EVALUATED, SKIPPED, eval_dag_id, read_ledger
+from operators.campaign.dag.eval_dag import (
+    ANNOUNCED,
+    EVALUATED,
+    REUSED_KEY,
+    SKIPPED,
+    eval_dag_id,
+    read_ledger,
+)
 from operators.campaign.render import checkpoint_eval
 from operators.campaign.render.layout import Layout
 from operators.campaign.schema.load import load_campaign
@@ -265,7 +272,8 @@ def _evaluation_line(af: str, run_id: str) -> str:
                      "xcomEntries/return_value")["value"]
         value = json.loads(value) if isinstance(value, str) else value
         result = value["result"]
-        reused = f", reused from {EVAL_DAG_ID} ({value['reused']})" if value.get("reused") else ""
+        reused = (f", reused from {EVAL_DAG_ID} ({value[REUSED_KEY]})"
+                  if value.get(REUSED_KEY) else "")
         return (f"backend {result['backend']}, held-out perplexity {result['perplexity']:.2f}, "
                 f"bits per byte {result['bits_per_byte']:.3f} over "
                 f"{result['tokens_evaluated']} tokens{reused}")

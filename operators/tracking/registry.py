@@ -158,12 +158,17 @@ def _upload(client, run_id: str, export: ExportSource) -> None:
 def register_model(client, name: str, campaign_run_id: str,
                    export: ExportSource | str | Path, lineage: Lineage,
                    evaluation: dict[str, Any] | None = None,
-                   alias: str = CANDIDATE_ALIAS) -> Registration:
+                   alias: str = CANDIDATE_ALIAS, *,
+                   campaign_figures: bool = True) -> Registration:
     """Register ``export`` (a verified HF directory, or a local path to one) as a version of
     ``name``.
 
     ``client`` is an ``mlflow.MlflowClient``; ``campaign_run_id`` the campaign's parent run;
     ``evaluation`` the evaluate step's result JSON (jobscripts/evaluate.py), if any.
+    ``campaign_figures``: also put its figures on the campaign's run where it has none at that
+    iteration; False when another writer owns them (the evaluation DAG's, for a reused
+    evaluation: its values come with its job's timestamp, and these, logged first while that
+    DAG's task had not yet logged, made a second point at the same step).
     """
     if isinstance(export, str | Path):
         export = LocalExport(Path(export))
@@ -176,8 +181,9 @@ def register_model(client, name: str, campaign_run_id: str,
     if client.get_run(run_id).data.tags.get(UPLOADED_TAG) != "true":
         _upload(client, run_id, export)
     metrics = eval_metrics(evaluation)
-    _log_metrics(client, campaign_run_id, _not_logged(client, campaign_run_id, metrics,
-                                                      lineage.iteration), lineage.iteration)
+    if campaign_figures:
+        _log_metrics(client, campaign_run_id, _not_logged(client, campaign_run_id, metrics,
+                                                          lineage.iteration), lineage.iteration)
     _log_metrics(client, run_id, metrics, lineage.iteration)
     finish_run(client, run_id)
 

@@ -93,3 +93,15 @@ def test_figures_the_evaluate_task_logged_are_not_logged_again(mlflow_client, ca
     assert [m.step for m in mlflow_client.get_metric_history(campaign_run, "eval_perplexity")
             ] == [30]
     assert mlflow_client.get_run(done.run_id).data.metrics["eval_bits_per_byte"] == 0.91
+
+
+def test_a_reused_evaluations_figures_are_left_to_the_evaluation_dag(mlflow_client, campaign_run,
+                                                                     exported):
+    """The final evaluate reused the evaluation DAG's result, whose own task logs it on the
+    campaign's run (with its job's timestamp) and may not have yet: registration puts nothing
+    there (before, its point and that task's made two at one step), the export run gets all."""
+    export_dir, _ = exported
+    done = register_model(mlflow_client, "camp-e-model", campaign_run, export_dir,
+                          Lineage("camp-e", 30), EVALUATION, campaign_figures=False)
+    assert mlflow_client.get_metric_history(campaign_run, "eval_bits_per_byte") == []
+    assert mlflow_client.get_run(done.run_id).data.metrics["eval_bits_per_byte"] == 0.91

@@ -227,8 +227,11 @@ def _log_goodput(tracker: Tracker, parent: str | None, campaign: Campaign, hook:
 
 
 def register(campaign: Campaign, hook: SlurmHook, layout: Layout, iteration: int,
-             evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
+             evaluation: dict[str, Any] | None, *,
+             reused: bool = False) -> dict[str, Any] | None:
     """Register the exported model with lineage tags and the alias ``candidate``.
+    ``reused``: the evaluation is the evaluation DAG's, which logs its figures on the
+    campaign's run itself.
 
     The export directory is fetched from the cluster through ``hook`` (SFTP) into a temporary
     directory, only when it still has to be uploaded: Airflow's machines need not see the
@@ -252,6 +255,6 @@ def register(campaign: Campaign, hook: SlurmHook, layout: Layout, iteration: int
         config_hash=hashlib.sha256(config.encode()).hexdigest())
     reg = register_model(tracker.client, f"pretrain-{campaign.name}", parent,
                          ClusterExport(hook, layout.hf_export, iteration), lineage,
-                         evaluation=evaluation)
+                         evaluation=evaluation, campaign_figures=not reused)
     return {"name": reg.name, "version": reg.version, "run_id": reg.run_id,
             "created": reg.created}

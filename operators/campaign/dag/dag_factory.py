@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from airflow.sdk import DAG, Asset, Param, TaskGroup, chain, task
 
 from operators.campaign.adapters.code_ship import CampaignJobOperator
-from operators.campaign.dag.eval_dag import build_eval_dag
+from operators.campaign.dag.eval_dag import REUSED_KEY, build_eval_dag
 from operators.campaign.dag.health import HealthSegmentOperator, health_decision, uses_health
 from operators.campaign.dag.preflight import TASK_ID as PREFLIGHT_TASK
 from operators.campaign.dag.preflight import PreflightOperator
@@ -206,9 +206,10 @@ def _register_task(campaign: Campaign, layout: Layout):
         from operators.slurm.hook import SlurmHook
 
         iteration = ti.xcom_pull(task_ids="finished")
-        evaluation = (ti.xcom_pull(task_ids="evaluate") or {}).get("result")
+        evaluated = ti.xcom_pull(task_ids="evaluate") or {}
         return register_model(campaign, SlurmHook(campaign.cluster.ssh_conn_id), layout,
-                              iteration, evaluation)
+                              iteration, evaluated.get("result"),
+                              reused=bool(evaluated.get(REUSED_KEY)))
 
     return register()
 

@@ -58,6 +58,8 @@ REUSE_POLL_S = 5
 # an announced checkpoint it never recorded counts as lost: between one run's end and the next
 # run's creation it is idle for a moment.
 IDLE_POLLS = 3
+# The final evaluate's XCom key naming the evaluation DAG's result it reused (its eval.json).
+REUSED_KEY = "reused"
 # The evaluation DAG's runs at once: one per checkpoint event in flight; a campaign announces
 # one per segment, so more than a few means the evaluations fall behind the training.
 EVAL_MAX_ACTIVE_RUNS = 8
@@ -388,5 +390,5 @@ class ReusingEvaluateOperator(CampaignStageOperator):
         if found is not None:
             self.log.info("checkpoint %s was evaluated by %s: reusing %s", iteration,
                           eval_dag_id(self.campaign), path)
-            return {"result": found, "reused": path}
+            return {"result": found, REUSED_KEY: path}
         return super().execute(context)

@@ -6,9 +6,9 @@ evaluation DAG ``pretrain__<name>__eval`` scheduled on it (docs/health.md).
 
 With ``health.evaluate_checkpoints`` each segment that leaves a new complete checkpoint (its
 task succeeds: the tracker advanced) emits an event for the asset ``<name>-checkpoints`` with
-the tracker's iteration in its extra. The evaluation DAG runs on that asset, one run at a
-its own pool (``health.eval_pool``), so a training segment never waits for it. It allows
-several runs at once: with ``max_active_runs=1``, Airflow 3.3 leaves the events that arrive
+the iteration it saved in its extra. The evaluation DAG runs on that asset, in its own pool
+(``health.eval_pool``), so a training segment never waits for it. It allows several runs at
+once: with ``max_active_runs=1``, Airflow 3.3 leaves the events that arrive
 while a run is going queued until some later event comes (apache/airflow#56050), so the last
 checkpoint's was never evaluated. Each run takes the events the scheduler handed it, and
 ``pending`` keeps a ledger on the cluster (``<campaign>/checkpoint_evals/ledger.jsonl``:
@@ -91,11 +91,10 @@ class AnnouncingSegmentOperator(TrainingSegmentOperator):
         super().on_job_end(context, summary, failure)  # raises when nothing advanced
         if failure is not None or not self.campaign.health.evaluate_checkpoints:
             return
-        iteration = announced_iteration(summary.result, lambda: self._tracker_iteration())
+        iteration = announced_iteration(summary.result, self._tracker_iteration)
         context["outlet_events"][checkpoints_asset(self.campaign)].extra = {
             ITERATION_KEY: iteration, "segment": self.segment, "run_id": context["ti"].run_id}
         self.log.info("checkpoint %s announced for evaluation", iteration)
-
 
     def _tracker_iteration(self) -> int:
         from operators.campaign.adapters.remote import read_iteration
@@ -157,14 +156,11 @@ def claims(entries: dict[int, LedgerEntry], announced: set[int], run_id: str,
     ``live`` claimed and never evaluated (a failed run's). Its own claims (a retry of
     ``pending`` in the same run) stay its own. Pure but for ``live``, asked only of other
     runs' claims."""
-    def orphaned(entry: LedgerEntry) -> bool:
-        return entry.state == ANNOUNCED and entry.run_id != run_id and (
-            entry.run_id is None or not live(entry.run_id))
-
-    take = [i for i in sorted({*announced, *entries})
-            if (i in announced and i not in entries) or (i in entries and orphaned(entries[i]))]
-    mine = sorted({*take, *(i for i, e in entries.items()
-                            if e.state == ANNOUNCED and e.run_id == run_id)})
+    open_claims = to_evaluate({i: e.state for i, e in entries.items()})
+    orphans = [i for i in open_claims if entries[i].run_id != run_id
+               and (entries[i].run_id is None or not live(entries[i].run_id))]
+    take = sorted({*(announced - entries.keys()), *orphans})
+    mine = sorted({*take, *(i for i in open_claims if entries[i].run_id == run_id)})
     return take, mine
 
 

@@ -192,14 +192,10 @@ def _segment_jobs(story: Story) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tracking(servers):
-    from operators.tracking.client import make_client
-    from operators.tracking.settings import tracking_settings
+    from tests.support.mlflow_server import experiment_runs
 
     _, mlflow = servers
-    client = make_client(tracking_settings(mlflow.connection()))
-    experiment = client.get_experiment_by_name(NAME)
-    assert experiment is not None, "no MLflow experiment for the campaign"
-    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    client, runs = experiment_runs(mlflow.connection(), NAME)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     return client, parents, children

@@ -300,14 +300,10 @@ def story(servers, local_cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tracking(servers):
-    from operators.tracking.client import make_client
-    from operators.tracking.settings import tracking_settings
+    from tests.support.mlflow_server import experiment_runs
 
     _, mlflow = servers
-    client = make_client(tracking_settings(mlflow.connection()))
-    experiment = client.get_experiment_by_name(NAME)
-    assert experiment is not None, "no MLflow experiment for the campaign"
-    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    client, runs = experiment_runs(mlflow.connection(), NAME)
     return client, runs
 
 

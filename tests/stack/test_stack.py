@@ -285,13 +285,9 @@ def story(stack, local_cluster) -> Story:
 
 @pytest.fixture(scope="module")
 def tracking(story):
-    from operators.tracking.client import make_client
-    from operators.tracking.settings import tracking_settings
+    from tests.support.mlflow_server import experiment_runs
 
-    client = make_client(tracking_settings(story.stack.mlflow_connection()))
-    experiment = client.get_experiment_by_name(NAME)
-    assert experiment is not None, "no MLflow experiment for the campaign"
-    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    client, runs = experiment_runs(story.stack.mlflow_connection(), NAME)
     # The stack's MLflow keeps earlier test runs' campaigns: this one's parent is the run the
     # campaign folder names.
     parent_id = (CAMPAIGN / "mlflow_run_id").read_text().strip()

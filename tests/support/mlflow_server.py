@@ -296,6 +296,18 @@ class TrackingStack:
         self.s3.stop()
 
 
+def experiment_runs(connection, experiment: str) -> tuple:
+    """(a tracking client on ``connection``, every run of ``experiment``): what a campaign
+    story reads its MLflow record from. The experiment must exist."""
+    from operators.tracking.client import make_client
+    from operators.tracking.settings import tracking_settings
+
+    client = make_client(tracking_settings(connection))
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no MLflow experiment {experiment!r} for the campaign"
+    return client, client.search_runs([found.experiment_id], max_results=1000)
+
+
 @contextlib.contextmanager
 def tracking_servers(home: Path, bucket: str, *, wait: bool = True):
     """``TrackingStack`` as a context manager yielding (s3, mlflow); ``wait=False`` returns

@@ -151,12 +151,31 @@ def failures(junit_xml: str) -> list[tuple[str, str]]:
     found = []
     for case in ET.fromstring(junit_xml).iter("testcase"):
         for problem in (*case.iter("failure"), *case.iter("error")):
-            text = (problem.get("message") or problem.text or "").strip()
-            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            lines = _exception_lines(problem.text or "") or _lines(problem.get("message") or "")
             summary = " ... ".join(lines[:1] + lines[-1:] * (len(lines) > 1)) or problem.tag
             found.append((f"{case.get('classname', '')}::{case.get('name', '')}",
                           summary[:500]))
     return found
+
+
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _exception_lines(report: str) -> list[str]:
+    """The exception's own lines of a pytest report (its ``E   `` lines, the last block of
+    them): the whole message. JUnit's ``message`` attribute is cut after some lines ("[+14 more
+    lines; full report in element text]"), which is where a wrapped error says why."""
+    blocks: list[list[str]] = []
+    previous_was_e = False
+    for line in report.splitlines():
+        is_e = line.startswith("E ")
+        if is_e and not previous_was_e:
+            blocks.append([])
+        if is_e:
+            blocks[-1].append(line[1:])
+        previous_was_e = is_e
+    return _lines("\n".join(blocks[-1])) if blocks else []
 
 
 def failure_lines(lane: Lane, top: int = 8) -> list[str]:

@@ -150,7 +150,8 @@ def test_failure_lines_name_each_message_once_from_a_real_report(tmp_path, monke
         "def test_b(story):\n    pass\n"
         "def test_c():\n    assert 1 == 2, 'numbers differ'\n"
         "def test_d():\n    pass\n"
-        "def test_e():\n    raise RuntimeError('up failed:\\nstarting\\n[x] error: port taken')\n")
+        "def test_e():\n    raise RuntimeError('up failed:\\n' + 'starting\\n' * 80"
+        " + '[x] error: port taken')\n")
     monkeypatch.setattr(lanes, "REPORTS", tmp_path)
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                     f"--junitxml={tmp_path / 'x.xml'}", "--rootdir", str(tmp_path),
@@ -159,7 +160,8 @@ def test_failure_lines_name_each_message_once_from_a_real_report(tmp_path, monke
     assert len(lines) == 3, lines
     assert lines[0].startswith("test_bad::test_a (+1 more): ") and "no segment" in lines[0]
     assert lines[1].startswith("test_bad::test_c: ") and "numbers differ" in lines[1]
-    # A wrapped error's reason is its last line: both ends, not the middle.
+    # A wrapped error's reason is its last line: both ends, not the middle, and not where JUnit's
+    # message attribute cuts a long one off.
     assert lines[2].startswith("test_bad::test_e: ") and lines[2].endswith(
         "up failed: ... [x] error: port taken") and "starting" not in lines[2], lines[2]
     assert lanes.failure_lines(lanes.Lane("absent", ())) == []

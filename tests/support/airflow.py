@@ -251,6 +251,14 @@ class Standalone:
         ti = self.task_instance(dag_id, run_id, task_id)
         return self.task_log(dag_id, run_id, task_id, try_number=max(1, ti["try_number"]))
 
+    def task_tries(self, dag_id: str, run_id: str, task_id: str) -> list[int]:
+        """The try numbers Airflow keeps for the task (its history and the current try): not
+        every number up to the current one, since a try the scheduler failed before any worker
+        ran it has no record and no log."""
+        body = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"
+                            f"{task_id}/tries")
+        return sorted({ti["try_number"] for ti in body["task_instances"]})
+
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
         """The task's log as text: one line per structured record's event."""
         body = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"

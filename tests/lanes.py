@@ -110,6 +110,29 @@ class Finished:
     summary: str
 
 
+# A lane's notes: what its tests recovered from and want CI's tail to show anyway (a fixture
+# that retried a service's start-up says why the first try failed). One line each.
+NOTES_ENV = "PP_LANES_NOTES"
+
+
+def note(text: str) -> None:
+    """Add a line to this lane's notes (printed in the summary); outside a lane, to stderr."""
+    line = " ".join(text.split())[:500]
+    path = os.environ.get(NOTES_ENV)
+    if not path:
+        print(f"[note] {line}", file=sys.stderr)
+        return
+    with open(path, "a") as notes:
+        notes.write(line + "\n")
+
+
+def notes_of(lane: Lane) -> list[str]:
+    try:
+        return (REPORTS / f"{lane.name}.notes").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def summary_of(output: str) -> str:
     """pytest's last ``N passed, M failed in Xs`` line, or what was seen instead."""
     for line in reversed(output.splitlines()):
@@ -117,6 +140,12 @@ def summary_of(output: str) -> str:
         if found:
             return found.group(1)
     return "no pytest summary"
+
+
+def _env(lane: Lane) -> dict[str, str]:
+    notes = REPORTS / f"{lane.name}.notes"
+    notes.unlink(missing_ok=True)
+    return {**os.environ, NOTES_ENV: str(notes)}
 
 
 def _argv(lane: Lane) -> list[str]:
@@ -202,11 +231,11 @@ def run_phase(lanes: tuple[Lane, ...]) -> list[Finished]:
         procs = {}
         for lane in quiet:
             with open(logs[lane.name], "w") as out:
-                procs[lane.name] = subprocess.Popen(_argv(lane), stdout=out,
+                procs[lane.name] = subprocess.Popen(_argv(lane), stdout=out, env=_env(lane),
                                                     stderr=subprocess.STDOUT)
         background = f": {', '.join(lane.name for lane in quiet)} in the background" * bool(quiet)
         print(f"[lanes] {' + '.join(lane.name for lane in lanes)}{background}", flush=True)
-        loud_proc = subprocess.Popen(_argv(loud), stdout=subprocess.PIPE,
+        loud_proc = subprocess.Popen(_argv(loud), stdout=subprocess.PIPE, env=_env(loud),
                                      stderr=subprocess.STDOUT, text=True)
         tail: list[str] = []
         for line in loud_proc.stdout:
@@ -235,6 +264,8 @@ def main(argv: list[str]) -> int:
         print(f"[lanes]   {'':<11} slowest: {slowest_modules(result.lane)}", flush=True)
         for line in failure_lines(result.lane):
             print(f"[lanes]   {'':<11} FAILED {line}", flush=True)
+        for line in notes_of(result.lane):
+            print(f"[lanes]   {'':<11} NOTE {line}", flush=True)
     print(f"[lanes] whole suite in {time.monotonic() - started:.0f}s", flush=True)
     # pytest's 5 (nothing collected) fails too: a lane that selects nothing is a broken lane.
     return 0 if all(result.rc == 0 for result in results) else 1

@@ -189,3 +189,17 @@ def test_only_lane_a_starts_the_session_airflow() -> None:
 ])
 def test_summary_of_reads_pytests_last_line(output, summary) -> None:
     assert lanes.summary_of(output) == summary
+
+
+def test_a_lanes_notes_reach_its_summary(tmp_path, monkeypatch) -> None:
+    """What a test recovered from (a retried start-up) is noted by the lane's own process and
+    read back for the summary, one line each; a fresh lane starts with no notes."""
+    monkeypatch.setattr(lanes, "REPORTS", tmp_path)
+    lane = lanes.Lane("x", ())
+    (tmp_path / "x.notes").write_text("an old run's note\n")
+    env = lanes._env(lane)
+    assert lanes.notes_of(lane) == []
+    subprocess.run([sys.executable, "-c",
+                    "from tests.lanes import note; note('up failed once,\\n retried: port taken');"
+                    " note('second')"], env=env, check=True, cwd=TESTS.parent)
+    assert lanes.notes_of(lane) == ["up failed once, retried: port taken", "second"]

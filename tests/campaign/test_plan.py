@@ -10,6 +10,7 @@ from operators.campaign.render.plan import (
     next_target,
     plan_segments,
     save_seconds_estimate,
+    segment_end,
     segment_exit_minutes,
 )
 from operators.campaign.schema.load import campaign_from_dict
@@ -70,6 +71,17 @@ def test_progress() -> None:
         check_progress(None, None)
     with pytest.raises(SegmentNoProgress, match="backwards: iteration 40 -> 20"):
         check_progress(40, 20)
+
+
+def test_a_segments_end_is_its_own_last_save_when_a_later_job_moved_the_tracker() -> None:
+    # Segment 1 saved 40; its pre-queued successor trained on to 60 before Airflow read it.
+    end = segment_end(40, 60)
+    assert end.iteration == 40 and "later segment" in end.note and "60" in end.note
+    # A stale figure (no save of this job survived): the tracker, where a resume starts.
+    end = segment_end(60, 40)
+    assert end.iteration == 40 and "segment.json says iteration 60" in end.note
+    assert segment_end(40, 40) == segment_end(None, 40) == segment_end(True, 40)
+    assert segment_end(None, 40).iteration == 40 and segment_end(40, 40).note is None
 
 
 def test_save_estimate_takes_the_slowest_measured_save() -> None:

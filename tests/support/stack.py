@@ -18,9 +18,11 @@ import os
 import re
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.lanes import note
 from tests.support import cluster
 from tests.support.airflow import Standalone
 from tests.support.cluster import REPO
@@ -28,6 +30,7 @@ from tests.support.cluster import REPO
 SCRIPT = REPO / "docker" / "local_stack.sh"
 STATE = Path(os.environ.get("PP_STACK_STATE", "/var/lib/pretrain-stack"))
 TRIGGERERS = ("triggerer-1", "triggerer-2")
+UP_RETRY_DELAY_S = 20
 WORKERS = ("worker-1", "worker-2")
 
 
@@ -62,7 +65,16 @@ class Stack:
         env = {**os.environ, "PP_STACK_DAGS": str(dags), "PP_STACK_REPLACE": "1"}
         proc = _script("up", env, timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"local_stack.sh up failed:\n{proc.stdout}{proc.stderr}")
+            # Once more (``up`` starts only what is not running): CI's fresh machines twice
+            # failed the first ``up`` in seconds while the other lanes started, for a reason
+            # CI's output cut off. The first failure goes into the lane's notes either way.
+            first = f"{proc.stdout}{proc.stderr}"
+            note(f"local_stack.sh up failed once, retried: {_last_lines(first)}")
+            time.sleep(UP_RETRY_DELAY_S)
+            proc = _script("up", env, timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"local_stack.sh up failed twice; the first time:\n{first}\n"
+                                   f"the second:\n{proc.stdout}{proc.stderr}")
         return cls(client_env(env))
 
     def stop(self, *components: str, timeout: float = 120) -> None:
@@ -247,6 +259,10 @@ class Stack:
                                login=self.env["PP_STACK_S3_ACCESS_KEY"],
                                password=self.env["PP_STACK_S3_SECRET_KEY"],
                                extra=json.dumps(extra))
+
+
+def _last_lines(output: str, count: int = 4) -> str:
+    return " | ".join([line for line in output.splitlines() if line.strip()][-count:])
 
 
 def _script(command: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:

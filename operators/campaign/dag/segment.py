@@ -35,7 +35,7 @@ from operators.campaign.dag import prequeue
 from operators.campaign.dag.watch import segment_watchers
 from operators.campaign.render.layout import Layout
 from operators.campaign.render.paths import RunInputs, data_path
-from operators.campaign.render.plan import SegmentNoProgress, check_progress
+from operators.campaign.render.plan import SegmentNoProgress, check_progress, segment_end
 from operators.slurm.jobkey import job_key
 from operators.slurm.operator import PYTHON_ENV, SlurmJobOperator, build_spec
 from operators.slurm.states import Outcome, classify
@@ -314,13 +314,12 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
             # A pre-queued job may have trained before this task read the tracker (Airflow
             # was down): its progress is counted from where it started.
             before = start
-        # Progress is what the checkpoint tracker names now: the last iteration saved, not the
-        # last one trained (a crash between saves trained steps that are lost), and not a
-        # segment.json that may be missing or stale.
-        after = read_iteration(self.hook, layout)
-        if result.get("end_iteration") not in (None, after):
-            self.log.warning("segment.json says iteration %s, the checkpoint tracker %s: "
-                             "counting the tracker's", result.get("end_iteration"), after)
+        # Progress counts to the last iteration saved (not the last trained: a crash between
+        # saves trained steps that are lost): the job's segment.json against the tracker.
+        end = segment_end(result.get("end_iteration"), read_iteration(self.hook, layout))
+        if end.note:
+            self.log.warning("segment %s: %s", self.segment, end.note)
+        after = end.iteration
         append_history(self.hook, layout, {**result, "slurm": summary.record.to_json(),
                                             "run_dir": summary.run_dir,
                                             "log_path": summary.log_path,

@@ -72,6 +72,35 @@ def plan_segments(campaign: Campaign, iteration: int | None = 0) -> Plan:
     return Plan(train_iters=total, start_iteration=start, segments=tuple(segments))
 
 
+@dataclass(frozen=True)
+class SegmentEnd:
+    """Where a segment's job left the campaign: ``iteration`` is what its progress counts to,
+    ``note`` why, when its ``segment.json`` and the checkpoint tracker disagree."""
+
+    iteration: int
+    note: str | None = None
+
+
+def segment_end(reported: object, tracker: int) -> SegmentEnd:
+    """The last iteration a segment's job saved, from its ``segment.json``'s ``end_iteration``
+    (``reported``) and the checkpoint tracker read after the job ended.
+
+    The lower of the two. The tracker ahead of the job's own figure: the next, pre-queued
+    segment's job has trained and saved since (Airflow read it late); this segment's progress
+    ends at its own figure. The tracker behind: the figure is stale or wrong (no save of this
+    job's survived): the tracker is what a resume starts from."""
+    if not isinstance(reported, int) or isinstance(reported, bool):
+        return SegmentEnd(tracker)
+    if tracker > reported:
+        return SegmentEnd(reported, f"the checkpoint tracker is at {tracker}, past this job's "
+                          f"last save {reported}: a later segment's job has saved since; "
+                          f"counting {reported}")
+    if tracker < reported:
+        return SegmentEnd(tracker, f"segment.json says iteration {reported}, the checkpoint "
+                          f"tracker {tracker}: counting the tracker's")
+    return SegmentEnd(tracker)
+
+
 def check_progress(before: int | None, after: int | None) -> int:
     """Iterations a segment advanced; raises :class:`SegmentNoProgress` if none."""
     before, after = before or 0, after or 0

@@ -24,7 +24,10 @@
 # PP_STACK_DAGS names the DAGs folder (default: the repository's dags/); `up` refuses a running
 # stack started from another folder or checkout, or with PP_STACK_REPLACE=1 restarts its Airflow
 # and MLflow servers (the data services and their data stay).
-set -euo pipefail
+set -Eeuo pipefail
+# A command that fails outside a test ends the script through `set -e` with no word of its own:
+# say which one and where (-E: in functions and command substitutions too; die exits, no trap).
+trap 'log "error: line $LINENO: \`$BASH_COMMAND\` exited $?"' ERR
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STATE=${PP_STACK_STATE:-/var/lib/pretrain-stack}
@@ -469,7 +472,7 @@ case ${1:-} in
   up) shift; known "$@"; WANTED=("$@"); cmd_up ;;
   stop) shift; (($#)) || die "stop: name the components"; known "$@"; stop "$@" ;;
   down) cmd_down ;;
-  status) cmd_status ;;
+  status) cmd_status || exit ;;  # not running is an answer, not an error (no ERR trap)
   env) cat "$STATE/client.env" ;;
   *) echo "usage: $0 up [NAME...]|stop NAME...|down|status|env" >&2; exit 2 ;;
 esac

@@ -11,7 +11,7 @@ import argparse
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +89,18 @@ def process_group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def stop_process_group(pgid: int, steps: Iterable[tuple[int, float]]) -> bool:
+    """Each (signal, seconds) of ``steps`` in turn to the whole group ``pgid``, waiting up to
+    those seconds for every process of it to end before the next: a leader that exits on the
+    first signal may leave children that need the second. Whether the group is gone."""
+    for sig, wait in steps:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and process_group_alive(pgid):
+            time.sleep(0.5)
+    return not process_group_alive(pgid)

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from jobscripts.common import process_group_alive
+from jobscripts.common import process_group_alive, stop_process_group
 from jobscripts.vocabulary import EVAL_METRICS
 from operators.campaign.adapters.checkpoint_eval_log import EVAL_TOKENS_CONSUMED
 from operators.campaign.dag.eval_dag import (
@@ -361,15 +361,8 @@ def down() -> int:
         pgid_file = STATE / f"{name}.pgid"
         if not pgid_file.exists():
             continue
-        pgid = int(pgid_file.read_text())
-        for sig, wait in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and process_group_alive(pgid):
-                time.sleep(0.5)
+        stop_process_group(int(pgid_file.read_text()),
+                           ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)))
         pgid_file.unlink()
         _say(f"stopped {name}")
     return 0

@@ -147,3 +147,26 @@ def test_hub_check_fails_fast_without_a_route(monkeypatch):
     with pytest.raises(StepError, match="127.0.0.1:9 is unreachable"):
         check_online(timeout=2)
     assert time.monotonic() - started < 3
+
+
+def test_stop_process_group_escalates_to_the_signal_the_group_obeys() -> None:
+    """A group whose processes ignore SIGINT (a child outliving its leader's clean stop) ends
+    on the next step; with only SIGINT it is still there, and the call says so."""
+    import signal
+
+    from jobscripts.common import process_group_alive, stop_process_group
+
+    # Started through a shell that exits: the group's leader is not this test's child, so it
+    # leaves no zombie behind (as the demo's servers, started by an earlier command).
+    group = "trap '' INT; sleep 60 & wait"
+    started = subprocess.run(["sh", "-c", f'setsid sh -c "{group}" >/dev/null 2>&1 & echo $!'],
+                             capture_output=True, text=True, check=True)
+    pgid = int(started.stdout)
+    try:
+        time.sleep(0.3)
+        assert stop_process_group(pgid, ((signal.SIGINT, 1),)) is False
+        assert process_group_alive(pgid)
+        assert stop_process_group(pgid, ((signal.SIGINT, 1), (signal.SIGTERM, 10))) is True
+        assert not process_group_alive(pgid)
+    finally:
+        stop_process_group(pgid, ((signal.SIGKILL, 5),))

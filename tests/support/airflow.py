@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from jobscripts.common import process_group_alive
+from jobscripts.common import stop_process_group
 from operators.local_airflow import standalone_settings
 from tests.support.cluster import REPO, connection_env, wait_for
 
@@ -137,15 +137,7 @@ class Standalone:
         steps = ((signal.SIGKILL, 5),) if crash else (
             (signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 5))
         for proc in (self.proc, *self._restarted):
-            group = proc.pid
-            for sig, wait in steps:
-                try:
-                    os.killpg(group, sig)
-                except ProcessLookupError:
-                    break
-                deadline = time.monotonic() + wait
-                while time.monotonic() < deadline and process_group_alive(group):
-                    time.sleep(0.5)
+            stop_process_group(proc.pid, steps)
             proc.wait(5)
         self._log.close()
 

@@ -91,6 +91,29 @@ def process_group_alive(pgid: int) -> bool:
     return True
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc's ``starttime``), or None
+    when there is no such process: with its PID, it names one process, not a reused PID."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(") ", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def recorded_group_alive(pgid: int, leader_started: int) -> bool:
+    """Whether the process group a record names (its leader's PID and start time) still runs.
+
+    Its leader still there, with the recorded start time; or gone while the group still has
+    members (the kernel never hands out a PID that names a live group, so a group without
+    its leader is still the one recorded). A live leader with another start time is a stranger
+    that was given the PID after the group ended: not ours to signal."""
+    if not process_group_alive(pgid):
+        return False
+    started = process_start_ticks(pgid)
+    return started is None or started == leader_started
+
+
 def stop_process_group(pgid: int, steps: Iterable[tuple[int, float]]) -> bool:
     """Each (signal, seconds) of ``steps`` in turn to the whole group ``pgid``, waiting up to
     those seconds for every process of it to end before the next: a leader that exits on the

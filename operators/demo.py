@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from jobscripts.common import process_group_alive, stop_process_group
+from jobscripts.common import process_start_ticks, recorded_group_alive, stop_process_group
 from jobscripts.vocabulary import EVAL_METRICS
 from operators.campaign.adapters.checkpoint_eval_log import EVAL_TOKENS_CONSUMED
 from operators.campaign.dag.eval_dag import (
@@ -87,7 +87,9 @@ def _start(name: str, argv: list[str], env: dict[str, str]) -> None:
     log = open(STATE / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    (STATE / f"{name}.pgid").write_text(str(proc.pid))
+    # The leader's start time beside its PID: a record left by a demo whose machine rebooted
+    # must not make `down` signal whatever process group now has that number.
+    (STATE / f"{name}.pgid").write_text(f"{proc.pid} {process_start_ticks(proc.pid)}\n")
 
 
 def _get(url: str, body: dict | None = None, method: str = "GET"):
@@ -351,19 +353,35 @@ def evaluation_lines(histories: dict[str, list[dict]]) -> list[str]:
 SERVERS = ("airflow", "mlflow")
 
 
+def _recorded_group(name: str) -> int | None:
+    """The process group of the demo's server ``name`` when its record names one that still
+    runs; a stale record (its group gone, or its PID now another process's) is removed."""
+    record = STATE / f"{name}.pgid"
+    try:
+        pgid, started = (int(field) for field in record.read_text().split())
+    except FileNotFoundError:
+        return None
+    except ValueError:  # an older demo's record, PID alone: it cannot be told from a stranger
+        _say(f"{record} names no start time; not signalling PID {record.read_text().strip()}")
+        record.unlink()
+        return None
+    if recorded_group_alive(pgid, started):
+        return pgid
+    record.unlink()
+    return None
+
+
 def _recorded_alive() -> bool:
-    return any(process_group_alive(int((STATE / f"{name}.pgid").read_text()))
-               for name in SERVERS if (STATE / f"{name}.pgid").exists())
+    return any(_recorded_group(name) is not None for name in SERVERS)
 
 
 def down() -> int:
     for name in SERVERS:
-        pgid_file = STATE / f"{name}.pgid"
-        if not pgid_file.exists():
+        pgid = _recorded_group(name)
+        if pgid is None:
             continue
-        stop_process_group(int(pgid_file.read_text()),
-                           ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)))
-        pgid_file.unlink()
+        stop_process_group(pgid, ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)))
+        (STATE / f"{name}.pgid").unlink(missing_ok=True)
         _say(f"stopped {name}")
     return 0
 

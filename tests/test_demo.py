@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +110,46 @@ def test_one_line_per_evaluated_checkpoint_newest_value_per_step() -> None:
         "checkpoint iteration   60 (tokens unknown): bits per byte 2.100, perplexity 18.50",
     ]
     assert evaluation_lines({bpb: [], ppl: [], tokens: []}) == []
+
+
+def _detached_group(ready: Path) -> int:
+    """A process group whose leader is not this test's child (as the servers a demo started
+    earlier): no zombie of it stays behind for the group checks to see. SIGINT back to its
+    default (a shell's background command starts with it ignored), then ``ready`` is made."""
+    sleeper = ("import signal, time, pathlib; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+    out = subprocess.run(["sh", "-c", f'setsid {sys.executable} -c "{sleeper}" >/dev/null 2>&1 &'
+                          " echo $!"], capture_output=True, text=True, check=True).stdout
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return int(out)
+
+
+def test_down_stops_the_recorded_servers_and_never_a_stranger_with_their_pid(
+        tmp_path, monkeypatch) -> None:
+    """``make demo-down`` signals a process group only when the record's start time matches:
+    a record left from before a reboot names a PID the kernel may have given another program."""
+    import signal
+
+    from jobscripts.common import process_group_alive, process_start_ticks, stop_process_group
+    from operators import demo
+
+    monkeypatch.setattr(demo, "STATE", tmp_path)
+    ours, stranger = (_detached_group(tmp_path / f"ready-{n}") for n in range(2))
+    try:
+        (tmp_path / "airflow.pgid").write_text(f"{ours} {process_start_ticks(ours)}\n")
+        # The stranger has the recorded PID but started at another time than the record says.
+        (tmp_path / "mlflow.pgid").write_text(f"{stranger} {process_start_ticks(stranger) - 1}\n")
+        assert demo._recorded_alive()
+        assert demo.down() == 0
+        assert not process_group_alive(ours)
+        assert process_group_alive(stranger)
+        assert not (tmp_path / "airflow.pgid").exists() and not (tmp_path / "mlflow.pgid").exists()
+        # An older demo's record (a PID alone) is not trusted either.
+        (tmp_path / "mlflow.pgid").write_text(f"{stranger}\n")
+        assert not demo._recorded_alive() and demo.down() == 0
+        assert process_group_alive(stranger)
+    finally:
+        for pgid in (ours, stranger):
+            stop_process_group(pgid, ((signal.SIGKILL, 5),))

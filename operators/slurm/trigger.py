@@ -31,6 +31,12 @@ LOG_CHUNK = 256 * 1024
 # SSH connection of its own; a bigger one is read by the task.
 RESULT_IN_EVENT_MAX = 64 * 1024
 LOG_TAIL_BYTES = 4000  # of a failed job's log, for the task's error
+# Seconds between the last streamed line and the trigger's event. The triggerer's supervisor
+# reads a trigger's log lines and its "finished" message from two sockets; finished first,
+# it closes the trigger's log file and writes the late lines into the triggerer's own log
+# (airflow/jobs/triggerer_job_runner.py, logger_cache.pop on TriggerStateChanges). The stack
+# story met it in CI: the job's last lines missing from the task's trigger log.
+FINAL_LOG_GRACE_S = 2.0
 WATCH_LOG_MARK = "log watch finding:"  # then the LogFinding's JSON, on one task-log line
 
 
@@ -60,6 +66,7 @@ class SlurmJobTrigger(BaseTrigger):
         self.log_pattern = log_pattern
         self.log_offsets = {str(k): int(v) for k, v in (log_offsets or {}).items()}
         self._drained: set[str] = set()  # tasks that ended and whose log was read to its end
+        self._last_line_at: float | None = None  # monotonic: when a line was last streamed
         self.poll_interval = poll_interval
         self.unknown_budget_s = unknown_budget_s
         self.result_path = result_path
@@ -197,6 +204,8 @@ class SlurmJobTrigger(BaseTrigger):
                 lines = data[:cut].decode("utf-8", "replace").splitlines()
                 for line in lines:
                     self.log.info("[slurm %s] %s", label, line)
+                if lines:
+                    self._last_line_at = time.monotonic()
                 if self.log_pattern is None:
                     self.watch.feed(lines)
                 offset += cut
@@ -279,16 +288,26 @@ class SlurmJobTrigger(BaseTrigger):
                 if self.watch and not outcome.terminal:
                     await self._run_watchers(poller, record.state == "RUNNING")
                     if self.watch.ends_wait:
+                        await self._let_lines_reach_the_log()
                         yield self._event(WATCHED, outcome=outcome.value, record=record)
                         return
                 if gate.final(outcome, record.source, time.monotonic()):
                     await asyncio.sleep(0)  # let the log's last write land before the drain
                     await self._stream_log(poller)
+                    await self._let_lines_reach_the_log()
                     yield self._event(TERMINAL, outcome=outcome.value, record=record,
                                       **await self._outputs(poller, outcome))
                     return
         finally:
             poller.unwatch(self.job_id)
+
+    async def _let_lines_reach_the_log(self) -> None:
+        """Wait until FINAL_LOG_GRACE_S have passed since the last streamed line, so that
+        Airflow files it in the task's trigger log before it learns the trigger finished."""
+        if self._last_line_at is not None:
+            left = FINAL_LOG_GRACE_S - (time.monotonic() - self._last_line_at)
+            if left > 0:
+                await asyncio.sleep(left)
 
     async def on_kill(self) -> None:
         """The user cleared or failed the deferred task: cancel its job."""

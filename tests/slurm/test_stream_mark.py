@@ -127,6 +127,32 @@ def test_a_trigger_rebuilt_from_its_deferral_goes_on_where_the_first_stopped(
     assert _forwarded(caplog) == ["[slurm 5] one", "[slurm 5] two", "[slurm 5] three"]
 
 
+def test_the_event_waits_for_the_last_lines_to_reach_the_trigger_log(tmp_path,
+                                                                     monkeypatch) -> None:
+    """Airflow files a trigger's lines in the task's trigger log only until it learns the
+    trigger finished (then in the triggerer's own log): the event waits FINAL_LOG_GRACE_S after
+    the last streamed line, and not at all when no line came lately."""
+    from operators.slurm import trigger as trigger_module
+
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    log = tmp_path / "slurm-6.out"
+    log.write_text("")
+    quiet = _logged(SlurmJobTrigger("slurm_local", "6", log_path=str(log)))
+    asyncio.run(quiet._stream_log(LocalPoller()))  # nothing to stream
+    monkeypatch.setattr(trigger_module.asyncio, "sleep", sleep)
+    asyncio.run(quiet._let_lines_reach_the_log())
+    assert slept == []
+    log.write_text("the last line\n")
+    asyncio.run(quiet._stream_log(LocalPoller()))
+    asyncio.run(quiet._let_lines_reach_the_log())
+    assert len(slept) == 1 and 0 < slept[0] <= trigger_module.FINAL_LOG_GRACE_S
+    assert slept[0] > trigger_module.FINAL_LOG_GRACE_S / 2  # counted from that line
+
+
 def test_an_array_resumes_every_tasks_offset(tmp_path, caplog) -> None:
     caplog.set_level(logging.INFO)
     from operators.slurm.poller import Snapshot

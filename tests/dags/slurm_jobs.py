@@ -31,7 +31,7 @@ class CrashAfterSubmit(SlurmJobOperator):
 
 with DAG("slurm_success", **COMMON):
     SlurmJobOperator(task_id="hello", ssh_conn_id=CONN, result_file="result.json",
-                     job={"time": "5", "cpus_per_task": 1},
+                     job={"time": "5", "cpus_per_task": 1}, **STALE_EVENT_RETRY,
                      command=f"echo hello from $(hostname); echo line two; {RESULT}")
 
 with DAG("slurm_success_in_worker", **COMMON):
@@ -52,7 +52,7 @@ with DAG("slurm_chain", **COMMON):
     first = SlurmJobOperator(task_id="first", ssh_conn_id=CONN, wait_for_completion=False,
                              command="sleep 15; echo first > first.txt")
     second = SlurmJobOperator(
-        task_id="second", ssh_conn_id=CONN,
+        task_id="second", ssh_conn_id=CONN, **STALE_EVENT_RETRY,
         job={"dependency": "afterok:{{ ti.xcom_pull(task_ids='first')['job_id'] }}"},
         command="echo second ran after {{ ti.xcom_pull(task_ids='first')['job_id'] }}")
     wait_first = SlurmJobSensor(task_id="wait_first", ssh_conn_id=CONN,
@@ -61,6 +61,7 @@ with DAG("slurm_chain", **COMMON):
 
 with DAG("slurm_array", **COMMON):
     SlurmJobOperator(task_id="fanout", ssh_conn_id=CONN, job={"array": "0-2"},
+                     **STALE_EVENT_RETRY,  # CI met the race here (session 9)
                      command='echo "task $SLURM_ARRAY_TASK_ID" > "task-$SLURM_ARRAY_TASK_ID.txt"')
 
 with DAG("slurm_long", params={"sleep": Param(120, type="integer", minimum=1),

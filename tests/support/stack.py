@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobscripts.common import process_start_ticks
 from tests.lanes import note
 from tests.support import cluster
 from tests.support.airflow import Standalone
@@ -101,11 +102,10 @@ class Stack:
         (local_stack.sh's own test, so a reused PID is not taken for it)."""
         path = Path(self.env["PP_STACK_PIDS"]) / f"{component}.pid"
         try:
-            pid, started = path.read_text().split()
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid, started = (int(field) for field in path.read_text().split())
         except (OSError, ValueError):
             return False
-        return stat.rsplit(") ", 1)[1].split()[19] == started
+        return process_start_ticks(pid) == started
 
     def celery(self):
         """A Celery app on the stack's broker, for remote control of its workers."""

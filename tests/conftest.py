@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import cluster, tiers
-from tests.support.airflow import Standalone, airflow_env, migrate
+from tests.support.airflow import SESSION_PORT, SESSION_PORT_ENV, Standalone, airflow_env, migrate
 from tests.support.mlflow_server import BUCKET, MlflowServer, MotoS3, TrackingStack
 
 pytest_plugins = ["pytester"]  # tests/test_tiers.py runs these hooks on a small suite
@@ -114,11 +114,11 @@ def dags_test_env(local_cluster, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def standalone(local_cluster, tmp_path_factory):
-    """One real ``airflow standalone`` (scheduler, triggerer, dag-processor, api-server), on
-    port 18080 unless ``PP_TEST_AIRFLOW_PORT`` names another (so that two developers' runs of
-    lane A's modules on one machine need not wait for each other)."""
+    """One real ``airflow standalone`` (scheduler, triggerer, dag-processor, api-server) per
+    pytest process, on port 18080 unless ``PP_TEST_AIRFLOW_PORT`` names another: each lane of
+    `make test` that needs it has its own port, as two developers' runs on one machine may."""
     home = tmp_path_factory.mktemp("airflow-standalone")
-    port = int(os.environ.get("PP_TEST_AIRFLOW_PORT", "18080"))
+    port = int(os.environ.get(SESSION_PORT_ENV, SESSION_PORT))
     server = Standalone(airflow_env(home, DAGS, port=port), home / "standalone.log").start()
     yield server
     server.stop()

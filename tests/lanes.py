@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.airflow import SESSION_PORT, SESSION_PORT_ENV
 from tests.support.tiers import DISRUPTIVE
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
@@ -45,20 +46,26 @@ class Lane:
     name: str
     args: tuple[str, ...]
     durations: int = 30
+    # The port of this lane's session ``standalone`` (tests/conftest.py reads it from
+    # PP_TEST_AIRFLOW_PORT; its log servers take +10000 and +10001). Every lane that runs a
+    # module using that fixture has a port of its own, so two lanes' Airflows never collide
+    # (tests/test_lanes.py checks it); None for a lane that runs none of them.
+    airflow_port: int | None = None
 
 
-# What each lane of phase 1 takes, by path; lane B also runs every test no lane takes. Lane A
-# holds every module that uses the session's ``airflow standalone`` (its api-server has a fixed
-# port: one lane only, checked in tests/test_lanes.py); the stories with an Airflow of their own
-# have their own ports, and the MLflow/S3 servers take free ones. A module never splits: its
-# fixtures stay in one process. The balance comes from the lanes' JUnit reports of a CI run
-# (session 6, load ~10): lane A 2365 s, lane B 2235 s, the stack's lane 3213 s with its fault
-# story failing early (~1100 s; it takes ~1400-2100 s when it passes), so the fault story moved to
-# lane B, Bridge's preflight (~560 s) to the stack's lane, the export/evaluation jobs (~540 s)
-# to lane A: each lane ~2700-2900 s.
-STACK_LANE_TESTS = (STACK_TESTS, "tests/preflight/test_bridge_preflight.py")
-LANE_A_TESTS = ("tests/pipeline", "tests/slurm", "tests/tracking", "tests/campaign",
-                "tests/export_eval")
+# What each lane of phase 1 takes, by path; lane B also runs every test no lane takes. A lane
+# that runs modules using the session's ``airflow standalone`` starts its own, on the lane's
+# ``airflow_port``; the stories with an Airflow of their own have their own ports, and the
+# MLflow/S3 servers take free ones. A module never splits: its fixtures stay in one process.
+# The balance comes from the lanes' JUnit reports (the summary prints each lane's slowest
+# modules). Session 9's fresh-clone run here, at load 7-9: stack 1419 s, lane A 2450 s, lane B
+# ~2200 s with its fault story passing; then the three stories gated until they had passed
+# (the health stories, ~15 min, in lane A, which needs the session Airflow) joined, so the
+# export/evaluation jobs (~540 s) and the Airflow-down story (its own Airflow) moved to the
+# stack's lane and tests/campaign to lane B.
+STACK_LANE_TESTS = (STACK_TESTS, "tests/preflight/test_bridge_preflight.py",
+                    "tests/pipeline/test_prequeue_airflow_down.py", "tests/export_eval")
+LANE_A_TESTS = ("tests/pipeline", "tests/slurm", "tests/tracking")
 LANE_B_TESTS = ("tests/pipeline/test_campaign_faults.py",)
 NOT_DISRUPTIVE = ("-m", f"not {DISRUPTIVE}")
 TESTS_DIR = Path(__file__).parent
@@ -95,7 +102,7 @@ PHASE_1 = (Lane("stack", (*taking(STACK_LANE_TESTS, (*LANE_A_TESTS, *LANE_B_TEST
            Lane("main-b", (*the_rest((*STACK_LANE_TESTS, *LANE_A_TESTS), LANE_B_TESTS),
                            *NOT_DISRUPTIVE), durations=20),
            Lane("main-a", (*taking(LANE_A_TESTS, (*STACK_LANE_TESTS, *LANE_B_TESTS)),
-                           *NOT_DISRUPTIVE)))
+                           *NOT_DISRUPTIVE), airflow_port=SESSION_PORT))
 PHASE_2 = (Lane(DISRUPTIVE, ("tests", "-m", DISRUPTIVE), durations=15),)
 # Each lane's JUnit report (per-test times: where the next rebalancing starts), kept after the
 # run; the summary prints each lane's slowest modules from it.
@@ -145,7 +152,8 @@ def summary_of(output: str) -> str:
 def _env(lane: Lane) -> dict[str, str]:
     notes = REPORTS / f"{lane.name}.notes"
     notes.unlink(missing_ok=True)
-    return {**os.environ, NOTES_ENV: str(notes)}
+    port = {SESSION_PORT_ENV: str(lane.airflow_port)} if lane.airflow_port else {}
+    return {**os.environ, NOTES_ENV: str(notes), **port}
 
 
 def _argv(lane: Lane) -> list[str]:

@@ -4,6 +4,7 @@ test that disturbs the cluster carries the ``disruptive`` marker. Checked from t
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import lanes
+from tests.support.airflow import SESSION_PORT_ENV
 from tests.support.tiers import DISRUPTIVE, DISRUPTIVE_CALLS, DISRUPTIVE_COMMANDS
 
 TESTS = Path(__file__).parent
@@ -89,6 +91,7 @@ def test_the_check_finds_calls_helpers_and_fixtures(source, expected) -> None:
     assert unmarked_disruptive_tests(source) == expected
 
 
+@functools.cache  # a real collection takes ~10 s; two tests ask for the same lanes
 def _collected(*args: str) -> list[str]:
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                           "-p", "no:cacheprovider", *args], capture_output=True, text=True,
@@ -172,13 +175,26 @@ def _uses_standalone(source: str) -> bool:
                if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef))
 
 
-def test_only_lane_a_starts_the_session_airflow() -> None:
-    """``standalone`` listens on a fixed port: two lanes starting it would collide."""
+def test_each_lane_running_the_session_airflow_has_its_own_port() -> None:
+    """``standalone`` listens on its lane's port: two lanes starting it on one would collide,
+    and a lane running its users without a port would take the default."""
     users = {str(path.relative_to(TESTS.parent)) for path in TESTS.rglob("test_*.py")
              if _uses_standalone(path.read_text())}
     assert users  # the check looks at something
-    outside = {u for u in users if not u.startswith(tuple(f"{p}/" for p in lanes.LANE_A_TESTS))}
-    assert outside == set()
+    ports = {}
+    for lane in lanes.PHASE_1:
+        modules = {test.split("::")[0] for test in _collected(*lane.args)}
+        if modules & users:
+            assert lane.airflow_port, (lane.name, sorted(modules & users))
+            ports.setdefault(lane.airflow_port, []).append(lane.name)
+    assert ports and all(len(names) == 1 for names in ports.values()), ports
+
+
+def test_a_lanes_airflow_port_reaches_its_pytest(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(lanes, "REPORTS", tmp_path)
+    assert lanes._env(lanes.Lane("x", (), airflow_port=18180))[SESSION_PORT_ENV] == "18180"
+    monkeypatch.delenv(SESSION_PORT_ENV, raising=False)
+    assert SESSION_PORT_ENV not in lanes._env(lanes.Lane("y", ()))
 
 
 @pytest.mark.parametrize(("output", "summary"), [

@@ -34,6 +34,10 @@ REQUEST_ATTEMPTS = 3
 # its api-server port: the lanes of `make test` run two of them at once (the stack's own are in
 # docker/local_stack.sh).
 LOG_PORT_OFFSET = 10000
+# The session ``standalone`` fixture's api-server port, and the variable that moves it: each
+# lane of `make test` that runs modules using that fixture gives it its own (tests/lanes.py).
+SESSION_PORT_ENV = "PP_TEST_AIRFLOW_PORT"
+SESSION_PORT = 18080
 
 
 def airflow_env(home: Path, dags_folder: Path, port: int = 18080,

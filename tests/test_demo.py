@@ -59,8 +59,8 @@ def test_airflow_reads_the_small_machine_settings(tmp_path) -> None:
 
 # -- the evaluation curve (issue 19: the demo shows it) ----------------------------------------
 def test_the_demo_evaluates_every_checkpoint_in_the_pool_it_creates(tmp_path) -> None:
-    """With the evaluation DAG turned on (``health.evaluate_checkpoints``; demo.yaml leaves it
-    off for now, docs/health.md), the pool ``make demo`` creates through the REST API before it
+    """With the evaluation DAG turned on (``health.evaluate_checkpoints``, as demo.yaml has
+    it; docs/health.md), the pool ``make demo`` creates through the REST API before it
     triggers is the one every task of that DAG runs in: a fresh clone's demo needs no `airflow
     pools set` (a task in a missing pool never runs)."""
     from operators.campaign.dag.dag_factory import START

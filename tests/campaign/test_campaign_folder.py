@@ -96,7 +96,9 @@ def test_a_dag_bag_of_the_folder(tmp_path) -> None:
 
     folder, texts = _folder(tmp_path)
     bag = DagBag(str(folder), bundle_path=folder)
-    assert bag.dag_ids == ["pretrain__demo"]
+    # demo.yaml evaluates its checkpoints (health.evaluate_checkpoints): its evaluation DAG
+    # comes from the same file.
+    assert sorted(bag.dag_ids) == ["pretrain__demo", "pretrain__demo__eval"]
     assert set(bag.import_errors) == {f"campaigns/{name}.py" for name in BROKEN}
     for name, (_, field, fragment) in BROKEN.items():
         message = bag.import_errors[f"campaigns/{name}.py"]
@@ -240,7 +242,7 @@ def test_broken_campaigns_under_airflow_dag_processor(tmp_path) -> None:
             lambda errors, dags: errors.keys() >= set(own.values()) and "pretrain__demo" in dags),
             600)
         assert set(errors) == set(own.values())  # leftovers and the folder files: none
-        assert dags == {"pretrain__demo"}
+        assert dags == {"pretrain__demo", "pretrain__demo__eval"}  # with its evaluation DAG
         for name, (_, field, fragment) in BROKEN.items():
             assert f"campaigns/{name}.yaml:{_line(texts[name], fragment)}: {field}: " \
                    in errors[own[name]]
@@ -253,7 +255,8 @@ def test_broken_campaigns_under_airflow_dag_processor(tmp_path) -> None:
             lambda errors, dags: own["broken_lr"] not in errors
             and "pretrain__broken_lr" in dags), 600)
         assert set(errors) == {own["broken_key"]}
-        assert dags == {"pretrain__demo", "pretrain__broken_lr"}
+        assert dags == {"pretrain__demo", "pretrain__demo__eval", "pretrain__broken_lr",
+                        "pretrain__broken_lr__eval"}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -26,12 +26,10 @@ from operators.campaign.adapters.checkpoint_eval_log import EVAL_TOKENS_CONSUMED
 from operators.campaign.dag.eval_dag import EVALUATED, eval_dag_id, read_ledger
 from operators.campaign.render.checkpoint_eval import eval_result_path, ledger_path
 from operators.campaign.render.layout import Layout
-from tests.dags.health_campaigns import HEALTH_EVAL, STORIES_ENV, STORIES_ON
+from tests.dags.health_campaigns import HEALTH_EVAL
 from tests.support import cluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(1800),
-              pytest.mark.skipif(not STORIES_ON, reason=f"not yet passed twice here: set "
-                                                        f"{STORIES_ENV}=1 (docs/health.md)")]
+pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(1800)]
 
 DAG_ID = "pretrain__health_eval"
 EVAL_DAG = eval_dag_id(HEALTH_EVAL)

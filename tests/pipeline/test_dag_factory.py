@@ -22,9 +22,16 @@ def bag():
 
 
 def test_every_campaign_yaml_becomes_one_dag(bag) -> None:
+    """One campaign DAG per YAML, and its evaluation DAG when it evaluates its checkpoints."""
+    from operators.campaign.dag.eval_dag import eval_dag_id
+    from operators.campaign.schema.load import load_campaign
+
     assert not bag.import_errors
-    names = sorted(p.stem for p in (REPO / "dags" / "campaigns").glob("*.yaml"))
-    assert sorted(bag.dag_ids) == [f"pretrain__{n}" for n in names]
+    campaigns = [load_campaign(p) for p in sorted((REPO / "dags" / "campaigns").glob("*.yaml"))]
+    expected = {f"pretrain__{c.name}" for c in campaigns} | {
+        eval_dag_id(c) for c in campaigns if c.health.evaluate_checkpoints}
+    assert "pretrain__demo__eval" in expected  # demo.yaml turns it on
+    assert sorted(bag.dag_ids) == sorted(expected)
 
 
 def test_demo_dag_shape(bag) -> None:
@@ -97,4 +104,5 @@ def test_invalid_yaml_is_an_import_error_naming_file_and_field(tmp_path, yaml_te
     assert list(bag.import_errors) == [str(folder / "pretrain_campaign_errors.py")]
     message = next(iter(bag.import_errors.values()))
     assert "campaigns/broken.yaml:" in message and field in message
-    assert bag.dag_ids == ["pretrain__demo"]  # the valid campaign beside it stays
+    # The valid campaign beside it stays, with its evaluation DAG.
+    assert sorted(bag.dag_ids) == ["pretrain__demo", "pretrain__demo__eval"]

@@ -25,12 +25,10 @@ import pytest
 from jobscripts.job_files import REFERENCE_FAULTS
 from operators.campaign.adapters import health_state
 from operators.campaign.render.layout import Layout
-from tests.dags.health_campaigns import HEALTH_SPIKE, STORIES_ENV, STORIES_ON
+from tests.dags.health_campaigns import HEALTH_SPIKE
 from tests.support import cluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(1800),
-              pytest.mark.skipif(not STORIES_ON, reason=f"not yet passed twice here: set "
-                                                        f"{STORIES_ENV}=1 (docs/health.md)")]
+pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(1800)]
 
 DAG_ID = "pretrain__health_spike"
 LAYOUT = Layout.for_campaign(HEALTH_SPIKE)

@@ -63,12 +63,7 @@ from tests.support.trainer import losses
 # The whole story runs in the module's fixture: two Airflow starts (a first one migrates a
 # fresh SQLite database: minutes at load 10+), four segment jobs, one stop. Waits are failure
 # detectors sized for CI's 2 loaded cores, not targets.
-# Gated like the other stories that have passed only alone on a quiet machine (three runs,
-# 225-413 s), never yet inside CI's lanes: set this to run it (docs/prequeue.md).
-STORY_ENV = "PP_PREQUEUE_DOWN_STORY_UNVERIFIED"
-pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(2400),
-              pytest.mark.skipif(os.environ.get(STORY_ENV) != "1",
-                                 reason=f"passed alone, not yet in CI's lanes: set {STORY_ENV}=1")]
+pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(2400)]
 
 NAME = "prequeue_airflow_down"
 DAG_ID = dag_id(NAME)

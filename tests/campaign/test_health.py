@@ -132,7 +132,7 @@ def test_bridge_campaign_exports_each_checkpoint_with_bridge(tmp_path) -> None:
 def test_factory_makes_the_evaluation_dag_only_when_asked(tmp_path) -> None:
     from operators.campaign.dag.dag_factory import START, build_dag
 
-    off = load_campaign(DEMO)
+    off = _load(DEMO, {"health.evaluate_checkpoints": False}, tmp_path)  # demo.yaml has it on
     dag = build_dag(off, auto_register=False)
     assert not dag.task_dict["train.segment_1"].outlets
     on = _load(DEMO, {"health.evaluate_checkpoints": True, "health.eval_pool": "pp_eval"},

@@ -309,10 +309,11 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
         ti = context["ti"]
         before = ti.xcom_pull(task_ids=self.task_id, key=XCOM_START) or 0
         start = result.get("start_iteration")
-        if (ti.xcom_pull(task_ids=self.task_id, key=XCOM_ATTACHED) == summary.job_id
-                and isinstance(start, int) and not isinstance(start, bool)):
-            # A pre-queued job may have trained before this task read the tracker (Airflow
-            # was down): its progress is counted from where it started.
+        if isinstance(start, int) and not isinstance(start, bool):
+            # The job's own record of where it resumed. The tracker this task read may be past
+            # it: a pre-queued job trained before its task read it (Airflow was down), or this
+            # is a retry that re-attached to its job after the next segment's job had saved
+            # (seen in CI's lanes: "went backwards: iteration 8 -> 4").
             before = start
         # Progress counts to the last iteration saved (not the last trained: a crash between
         # saves trained steps that are lost): the job's segment.json against the tracker.

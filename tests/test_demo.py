@@ -43,17 +43,22 @@ def test_the_lock_is_the_processs_not_the_files(tmp_path) -> None:
 def test_airflow_reads_the_small_machine_settings(tmp_path) -> None:
     """The names are Airflow's own (a misspelt section is ignored silently): asked back from
     Airflow's configuration, they hold the values the demo and the tests set."""
-    from operators.local_airflow import EXECUTION_API_TIMEOUT_S, standalone_settings
+    from operators.local_airflow import (
+        EXECUTION_API_RETRIES,
+        EXECUTION_API_TIMEOUT_S,
+        standalone_settings,
+    )
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(standalone_settings(tmp_path, tmp_path, 18999))
     code = ("from airflow.configuration import conf; "
             "print(conf.getfloat('workers', 'execution_api_timeout'), "
+            "conf.getint('workers', 'execution_api_retries'), "
             "conf.getfloat('scheduler', 'scheduler_idle_sleep_time'), "
             "conf.get('core', 'execution_api_server_url'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
-    assert out == [str(float(EXECUTION_API_TIMEOUT_S)), "0.2",
+    assert out == [str(float(EXECUTION_API_TIMEOUT_S)), EXECUTION_API_RETRIES, "0.2",
                    "http://127.0.0.1:18999/execution/"]
 
 

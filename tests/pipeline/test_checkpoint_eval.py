@@ -29,7 +29,7 @@ from operators.campaign.render.layout import Layout
 from tests.dags.health_campaigns import HEALTH_EVAL
 from tests.support import cluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.cluster, pytest.mark.airflow, pytest.mark.timeout(2700)]
 
 DAG_ID = "pretrain__health_eval"
 EVAL_DAG = eval_dag_id(HEALTH_EVAL)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from jobscripts import checkpoints
 from jobscripts.job_files import REFERENCE_FAULTS, SEGMENT_RESULT, TRACKER_FILENAME
 from operators.campaign.render.reference import CONFIG_FILE
 from operators.slurm.operator import LOG_NAME, SlurmJobOperator
@@ -285,7 +286,7 @@ def test_node_cut_off_requeues_and_its_orphans_are_fenced(hook, tmp_path):
         # finished: had its save on SIGTERM got through, iteration 3 would be on disk and the
         # tracker moved back to it.
         saved = hook.check(f"ls {shlex.quote(config['save'])}").split()
-        assert "iter_0000003" not in saved, saved
+        assert checkpoints.checkpoint_dir(config["save"], 3).name not in saved, saved
         tracker = hook.check(f"cat {shlex.quote(config['save'])}/{TRACKER_FILENAME}").strip()
         assert tracker == "6", tracker
         last_words = [line for line in log_of(hook, job).splitlines()

@@ -22,8 +22,12 @@ EXECUTION_API_TIMEOUT_S = "30"
 EXECUTION_API_RETRIES = "10"
 
 
-def standalone_settings(home: Path, dags_folder: Path, port: int) -> dict[str, str]:
-    """Airflow's settings (as ``AIRFLOW__*`` variables) for a standalone on ``port``."""
+def standalone_settings(home: Path, dags_folder: Path, port: int, *,
+                        scheduler_idle_sleep_s: str = SCHEDULER_IDLE_SLEEP_S) -> dict[str, str]:
+    """Airflow's settings (as ``AIRFLOW__*`` variables) for a standalone on ``port``.
+
+    ``scheduler_idle_sleep_s``: the test suite, which runs several Airflows on 2 cores at
+    once, trades the demo's low latency for CPU (tests/support/airflow.py)."""
     return {
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
@@ -33,7 +37,7 @@ def standalone_settings(home: Path, dags_folder: Path, port: int) -> dict[str, s
         "AIRFLOW__API__PORT": str(port),
         "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
-        "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": SCHEDULER_IDLE_SLEEP_S,
+        "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": scheduler_idle_sleep_s,
         "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": EXECUTION_API_TIMEOUT_S,
         "AIRFLOW__WORKERS__EXECUTION_API_RETRIES": EXECUTION_API_RETRIES,
     }

@@ -36,6 +36,7 @@ import urllib.error
 from datetime import datetime
 from pathlib import Path
 
+from operators.local_airflow import SCHEDULER_IDLE_SLEEP_S
 from tests.support import cluster
 from tests.support.airflow import Standalone, airflow_env
 from tests.support.reference_campaign import (
@@ -127,7 +128,8 @@ def main() -> dict:
     # A worker's call to the execution API timed out (5 s default, 5 tries) at load ~20 here
     # and failed segment 1 before it ran: what is measured here is the chain, not that.
     env = airflow_env(home, dags, port=18096,
-                      extra={"AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "30"})
+                      extra={"AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "30"},
+                      scheduler_idle_sleep_s=SCHEDULER_IDLE_SLEEP_S)
     af = Standalone(env, home / "standalone.log").start(600)
     walls = {}
     try:

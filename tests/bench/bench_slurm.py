@@ -18,6 +18,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from operators.local_airflow import SCHEDULER_IDLE_SLEEP_S
 from tests.support import cluster
 from tests.support.airflow import Standalone, airflow_env
 
@@ -72,7 +73,8 @@ def main() -> dict:
     jobs = int(os.environ.get("PP_BENCH_JOBS", "20"))
     home = Path(tempfile.mkdtemp(prefix="pp-bench-af-"))
     env = airflow_env(home, Path(__file__).parent / "dags", port=18095,
-                      extra={"PP_BENCH_POLL_S": str(poll), "PP_BENCH_JOBS": str(jobs)})
+                      extra={"PP_BENCH_POLL_S": str(poll), "PP_BENCH_JOBS": str(jobs)},
+                      scheduler_idle_sleep_s=SCHEDULER_IDLE_SLEEP_S)
     af = Standalone(env, home / "standalone.log").start()
     sampler = ConnectionSampler(af, cluster.connection()["port"])
     install_wrappers()

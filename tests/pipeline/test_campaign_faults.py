@@ -86,8 +86,16 @@ def _running_segment(af: Standalone, run_id: str, task_id: str, past: int) -> di
         try:
             return af.xcom(DAG_ID, run_id, task_id, key="slurm_job")
         except urllib.error.HTTPError:
-            return None
-    job = cluster.wait_for(submitted, 1800, f"{task_id} of {run_id} to submit its job")
+            pass
+        # Not yet: a run that already failed (a data-stage task, say) never will.
+        if af.run_state(DAG_ID, run_id) == "failed":
+            raise AssertionError(f"{task_id} never submitted a job:\n"
+                                 f"{af.run_report(DAG_ID, run_id)}")
+        return None
+    try:
+        job = cluster.wait_for(submitted, 1800, f"{task_id} of {run_id} to submit its job")
+    except TimeoutError as timed_out:
+        raise TimeoutError(f"{timed_out}\n{af.run_report(DAG_ID, run_id)}") from None
 
     def trained():
         its = _iterations(job["log_path"])

@@ -26,6 +26,10 @@ from tests.support.cluster import REPO, connection_env, wait_for
 VENV_BIN = Path(sys.executable).parent
 AIRFLOW = str(VENV_BIN / "airflow")
 TERMINAL_RUN_STATES = {"success", "failed"}
+# A task instance in one of these stays there until someone clears it: a wait for another
+# state can stop at once (and say what happened) instead of waiting out its time-out.
+TERMINAL_TASK_STATES = {"success", "failed", "skipped", "upstream_failed", "removed"}
+LOG_TAIL_CHARS = 3000
 
 
 REQUEST_TIMEOUT_S = 60
@@ -38,20 +42,32 @@ LOG_PORT_OFFSET = 10000
 # lane of `make test` that runs modules using that fixture gives it its own (tests/lanes.py).
 SESSION_PORT_ENV = "PP_TEST_AIRFLOW_PORT"
 SESSION_PORT = 18080
+# `make test` runs three or four Airflows at once on 2 cores, so what each burns while idle is
+# the suite's time. Measured with the fault story alone (2026-12-03, per-process CPU sampled
+# every second): its scheduler polling every 0.2 s (the demo's setting) took 0.25 of a core,
+# at Airflow's default 1 s 0.10; its dag-processor re-parsing every file every 5 s took 0.11,
+# every 30 s (Airflow's default) 0.035. A test that changes what a DAG file reads (a campaign
+# YAML) touches the file: a file modified since its last parse is parsed again at once.
+SUITE_SCHEDULER_IDLE_SLEEP_S = "1"
+SUITE_MIN_FILE_PROCESS_INTERVAL_S = "30"
 
 
 def airflow_env(home: Path, dags_folder: Path, port: int = 18080,
-                extra: dict[str, str] | None = None) -> dict[str, str]:
+                extra: dict[str, str] | None = None,
+                scheduler_idle_sleep_s: str = SUITE_SCHEDULER_IDLE_SLEEP_S) -> dict[str, str]:
+    """A test Airflow's environment: the demo's settings (operators/local_airflow.py) but for
+    the two that cost CPU; the benches that measure latency pass the demo's idle sleep."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(connection_env())
-    env.update(standalone_settings(home, dags_folder, port))
+    env.update(standalone_settings(home, dags_folder, port,
+                                   scheduler_idle_sleep_s=scheduler_idle_sleep_s))
     env.update({
         "AIRFLOW__CORE__PARALLELISM": "8",  # LocalExecutor forks this many workers
         "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "32",  # deferred tasks hold no worker
         "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(port + LOG_PORT_OFFSET),
         "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(port + LOG_PORT_OFFSET + 1),
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",  # a new DAG file is seen within 5 s
+        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": SUITE_MIN_FILE_PROCESS_INTERVAL_S,
         # Airflow's default. At 60 the fault story's `register` was failed in a CI-like run:
         # every component of its Airflow logged nothing for ~80 s ("Heartbeat recovered after
         # 85.84 seconds"), then the scheduler failed the running task for its missed heartbeat.
@@ -220,8 +236,12 @@ class Standalone:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")["state"]
 
     def wait_run(self, dag_id: str, run_id: str, timeout: float = 300) -> str:
-        return wait_for(lambda: (s := self.run_state(dag_id, run_id)) in TERMINAL_RUN_STATES and s,
-                     timeout, f"run {run_id} of {dag_id}")
+        try:
+            return wait_for(
+                lambda: (s := self.run_state(dag_id, run_id)) in TERMINAL_RUN_STATES and s,
+                timeout, f"run {run_id} of {dag_id}")
+        except TimeoutError as timed_out:
+            raise TimeoutError(f"{timed_out}\n{self.run_report(dag_id, run_id)}") from None
 
     def task_instance(self, dag_id: str, run_id: str, task_id: str) -> dict:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"
@@ -229,10 +249,43 @@ class Standalone:
 
     def wait_task_state(self, dag_id: str, run_id: str, task_id: str, states: set[str],
                         timeout: float = 120) -> str:
+        """Wait for the task to reach one of ``states``; fail at once, with the run's report,
+        when it ends in another."""
         def reached():
             state = self.task_instance(dag_id, run_id, task_id)["state"]
-            return state if state in states else None
-        return wait_for(reached, timeout, f"{task_id} to reach {states}")
+            if state in states:
+                return state
+            if state in TERMINAL_TASK_STATES:
+                raise AssertionError(f"{task_id} ended {state}, not {sorted(states)}:\n"
+                                     f"{self.run_report(dag_id, run_id)}")
+            return None
+        try:
+            return wait_for(reached, timeout, f"{task_id} to reach {states}")
+        except TimeoutError as timed_out:
+            raise TimeoutError(f"{timed_out}\n{self.run_report(dag_id, run_id)}") from None
+
+    def run_report(self, dag_id: str, run_id: str) -> str:
+        """The run's state, each task's state and try, and the last lines of every failed
+        task's log: what a failed wait must show, since CI keeps nothing else of a story."""
+        try:
+            run = self.run_state(dag_id, run_id)
+            body = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/"
+                                "taskInstances?limit=200")
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            return f"run {run_id}: no report ({exc})"
+        tasks = body.get("task_instances", [])
+        lines = [f"run {run_id}: {run}"]
+        lines += [f"  {ti['task_id']}: {ti['state']} (try {ti['try_number']})"
+                  for ti in sorted(tasks, key=lambda ti: ti.get("start_date") or "~")]
+        for ti in tasks:
+            if ti["state"] in {"failed", "up_for_retry"}:
+                try:
+                    log = self.last_log(dag_id, run_id, ti["task_id"])
+                except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                    log = f"(no log: {exc})"
+                lines.append(f"--- {ti['task_id']}'s log, last {LOG_TAIL_CHARS} characters:")
+                lines.append(log[-LOG_TAIL_CHARS:])
+        return "\n".join(lines)
 
     def set_task_state(self, dag_id: str, run_id: str, task_id: str, state: str) -> Any:
         return self.request("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/"

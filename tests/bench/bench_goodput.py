@@ -20,6 +20,14 @@ campaign (one segment, ``hang_timeout_min: 0.2``, one retry) whose reference tra
 after iteration 3 (the test-only fault, jobscripts/trainer_faults.py); ``hang_detect_s`` is
 that iteration's log time to the watchdog's finding (the trigger's log-watch line in the
 task log), ``hang_timeout_s`` the timeout the finding names (docs/log-watch.md).
+
+Issue 19 asks that evaluating every checkpoint leave the segments' timing unchanged: a third
+run, the pre-queued campaign again with ``health.evaluate_checkpoints`` (its evaluation DAG
+exports and scores each checkpoint as it lands, transformers backend), gives
+``prequeued_evaluated_gap_s``, ``goodput_prequeued_evaluated`` and ``train_s_*``: the gaps say
+whether a segment waited for an evaluation (none should); training-step time says what the
+evaluation jobs took from training on this machine, where they share its 2 cores (on a real
+cluster they run on other nodes).
 """
 
 from __future__ import annotations
@@ -49,7 +57,9 @@ from tests.support.reference_campaign import (
 
 ROOT = Path("/home/pretrain/pp-bench-goodput")  # the cluster user's; the campaigns live here
 SEGMENTS, ITERS = 4, 5
-RUNS = {"serial": ("bench_goodput_serial", 0), "prequeued": ("bench_goodput_prequeued", 1)}
+RUNS = {"serial": ("bench_goodput_serial", 0), "prequeued": ("bench_goodput_prequeued", 1),
+        "evaluated": ("bench_goodput_evaluated", 1)}
+EVALUATED = RUNS["evaluated"][0]
 HANG, HANG_AT, HANG_TIMEOUT_MIN = "bench_goodput_hang", 3, 0.2
 
 
@@ -96,6 +106,27 @@ def hang_figures(af: Standalone, run_id: str) -> dict:
             "hang_timeout_s": finding["detail"]["timeout_s"]}
 
 
+def wait_evaluations(doc: dict, timeout: float = 1200) -> int:
+    """Wait for the evaluation DAG to have evaluated (or skipped) a checkpoint of every
+    segment of the campaign ``doc`` (its ledger: operators/campaign/dag/eval_dag.py); how
+    many it evaluated."""
+    from operators.campaign.dag.eval_dag import EVALUATED as DONE
+    from operators.campaign.dag.eval_dag import SKIPPED, read_ledger
+    from operators.campaign.render.checkpoint_eval import ledger_path
+    from operators.campaign.render.layout import Layout
+    from operators.campaign.schema.load import campaign_from_dict
+
+    path = Path(ledger_path(Layout.for_campaign(campaign_from_dict(doc))))
+
+    def settled() -> dict | None:
+        ledger = read_ledger(path.read_text() if path.exists() else None)
+        return ledger if len(ledger) >= SEGMENTS and all(
+            state in (DONE, SKIPPED) for state in ledger.values()) else None
+    ledger = cluster.wait_for(settled, timeout, f"{doc['name']}'s checkpoints evaluated",
+                              interval=3)
+    return sum(state == DONE for state in ledger.values())
+
+
 def figures(name: str) -> dict:
     from operators.slurm.parse import JobRecord
     from operators.tracking import goodput
@@ -121,9 +152,11 @@ def main() -> dict:
     hang = roomy(campaign_doc(HANG, ROOT, tokenizer, prefix, segments=1, iters=8, depth=0,
                               retries=1, hang_timeout_min=HANG_TIMEOUT_MIN))
     lay_out_hang(hang)
-    dags = write_dags(home / "dags", [
-        *(roomy(campaign_doc(name, ROOT, tokenizer, prefix, segments=SEGMENTS, iters=ITERS,
-                             depth=depth)) for name, depth in RUNS.values()), hang])
+    docs = {name: roomy(campaign_doc(name, ROOT, tokenizer, prefix, segments=SEGMENTS,
+                                     iters=ITERS, depth=depth,
+                                     evaluate_checkpoints=name == EVALUATED))
+            for name, depth in RUNS.values()}
+    dags = write_dags(home / "dags", [*docs.values(), hang])
     # A first start migrates a fresh metadata database: minutes on a loaded 2-core machine.
     # A worker's call to the execution API timed out (5 s default, 5 tries) at load ~20 here
     # and failed segment 1 before it ran: what is measured here is the chain, not that.
@@ -140,6 +173,8 @@ def main() -> dict:
                 raise SystemExit(f"the bench campaign {name}'s DAG run ended {state}; see "
                                  f"{home / 'standalone.log'}")
             walls[label] = round(time.time() - t0, 1)
+            if name == EVALUATED:  # its evaluations end before the next run starts
+                evaluations = wait_evaluations(docs[name])
         print(json.dumps({"bench": "goodput", "partial": "before the hang run",
                           **{f"campaign_wall_{k}_s": v for k, v in walls.items()}}),
               flush=True)
@@ -158,7 +193,7 @@ def main() -> dict:
             hung = {"hang_detect_s": None, "hang_timeout_s": None}
     finally:
         af.stop()
-    serial, prequeued = (figures(name) for name, _ in RUNS.values())
+    serial, prequeued, evaluated = (figures(name) for name, _ in RUNS.values())
     startups = serial["startups"] + prequeued["startups"]
     return {
         "bench": "goodput", "segments": serial["segments"],
@@ -169,6 +204,11 @@ def main() -> dict:
         "campaign_wall_serial_s": walls["serial"], "campaign_wall_prequeued_s": walls["prequeued"],
         "train_s_serial": serial["train_s"], "train_s_prequeued": prequeued["train_s"],
         "iterations_redone": serial["iterations_redone"] + prequeued["iterations_redone"],
+        "prequeued_evaluated_gap_s": evaluated["gap_s"],
+        "goodput_prequeued_evaluated": evaluated["goodput"],
+        "train_s_prequeued_evaluated": evaluated["train_s"],
+        "campaign_wall_prequeued_evaluated_s": walls["evaluated"],
+        "checkpoints_evaluated": evaluations,
     }
 
 

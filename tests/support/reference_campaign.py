@@ -5,7 +5,9 @@ pre-queueing story (tests/pipeline/test_prequeue.py) and the goodput bench
 The data stage's own jobscripts make a tokenizer and one Megatron prefix in-process (no data
 stage in the DAG); each campaign YAML in ``<dags>/campaigns/`` becomes a DAG
 ``segments__<name>`` of ``segment_1 -> ... -> segment_N`` real ``TrainingSegmentOperator``s
-(no preflight, export or evaluation: what these measure is the chain).
+(no preflight, export or evaluation: what these measure is the chain). A campaign with
+``health.evaluate_checkpoints`` gets the health segments, which announce their checkpoints,
+and its evaluation DAG (transformers backend), as the campaign factory builds them.
 """
 
 from __future__ import annotations
@@ -27,15 +29,23 @@ from pathlib import Path
 
 from airflow.sdk import DAG
 
-from operators.campaign.dag.dag_factory import segment_chain
+from operators.campaign.dag.dag_factory import START, segment_chain
+from operators.campaign.dag.eval_dag import build_eval_dag
+from operators.campaign.dag.health import HealthSegmentOperator, uses_health
 from operators.campaign.schema.load import load_campaign
 
 for _path in sorted((Path(__file__).parent / "campaigns").glob("*.yaml")):
     _campaign = load_campaign(_path)
     with DAG(f"segments__{_campaign.name}", schedule=None, start_date=datetime(2026, 1, 1),
              catchup=False, tags=["test"]) as _dag:
-        segment_chain(_campaign)
+        if uses_health(_campaign):
+            segment_chain(_campaign, HealthSegmentOperator)
+        else:
+            segment_chain(_campaign)
     globals()[_dag.dag_id] = _dag
+    if _campaign.health.evaluate_checkpoints:
+        _eval = build_eval_dag(_campaign, START, backend="transformers")
+        globals()[_eval.dag_id] = _eval
 '''
 WORDS = ("the", "model", "trains", "on", "tokens", "and", "saves", "checkpoints", "while",
          "each", "segment", "resumes", "from", "the", "last", "one", "the", "cluster", "kept")
@@ -70,10 +80,13 @@ def prepare_data(root: Path) -> tuple[str, str]:
 
 def campaign_doc(name: str, root: Path, tokenizer: str, prefix: str, *, segments: int,
                  iters: int, depth: int, retries: int = 0,
-                 hang_timeout_min: float | None = None) -> dict:
+                 hang_timeout_min: float | None = None,
+                 evaluate_checkpoints: bool = False) -> dict:
     """``segments`` segments of ``iters`` iterations each, pre-queued ``depth`` ahead; the
-    segments load ``tokenizer`` from where it is (``data.tokenizer.path``)."""
+    segments load ``tokenizer`` from where it is (``data.tokenizer.path``); with
+    ``evaluate_checkpoints`` each checkpoint is evaluated as it lands (docs/health.md)."""
     extra = {} if hang_timeout_min is None else {"hang_timeout_min": hang_timeout_min}
+    health = {"health": {"evaluate_checkpoints": True}} if evaluate_checkpoints else {}
     return {
         "name": name, "description": "reference segments chained on the local cluster",
         "schedule": None,
@@ -95,6 +108,7 @@ def campaign_doc(name: str, root: Path, tokenizer: str, prefix: str, *, segments
         "segments": {"max_per_run": segments, "iters_per_segment": iters,
                      "startup_estimate_min": 1, "save_estimate_s": 5, "margin_min": 2,
                      "prequeue_depth": depth, **extra},
+        **health,
     }
 
 

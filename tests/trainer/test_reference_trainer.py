@@ -76,7 +76,10 @@ def test_three_segments_match_the_uncut_run(tmp_path, config_for, uncut):
 
 
 def test_sigterm_saves_and_resume_is_exact_across_processes(tmp_path, config_for, sigterm_job):
-    assert sigterm_job.proc.wait(timeout=180) == 0, sigterm_job.log.read_text()
+    from tests.trainer.conftest import SIGTERM_JOB_TIMEOUT_S
+
+    rc = sigterm_job.proc.wait(timeout=SIGTERM_JOB_TIMEOUT_S + 180)
+    assert rc == 0, (sigterm_job.gave_up, sigterm_job.log.read_text()[-3000:])
     first_log = sigterm_job.log.read_text()
     config = sigterm_job.config
     segment = json.loads(Path(config["segment_result"]).read_text())

@@ -4,7 +4,10 @@
 # a real scheduler, with real node failures and multi-node jobs, on one machine.
 #
 #   local_cluster.sh up | down | status | env | sync-env        (as root)
-#   PP_CLUSTER_NODES=N (default 3) compute nodes node1..nodeN
+#   PP_CLUSTER_NODES=N (default 3) compute nodes node1..nodeN, in partitions debug and gpu
+#   PP_CLUSTER_FAULT_NODES=M (default 3) more nodes after them, in partition faults only: the
+#     test suite's node-failure stories set them down and cut their links, which no other
+#     job sees (no campaign names that partition), so those stories run beside the rest
 #
 # Each compute node is a network namespace (/run/netns/nodeI, address $NET.1I, a veth to the bridge
 # $BRIDGE at $NET.1) plus a UTS namespace (its host name) and a mount namespace (its /etc/hosts);
@@ -37,15 +40,23 @@ REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CTLD_HOST=$(hostname -s)
 NODES=${PP_CLUSTER_NODES:-3}
 [[ $NODES =~ ^[1-9]$ ]] || { echo "PP_CLUSTER_NODES must be 1-9, not '$NODES'" >&2; exit 2; }
+FAULT_NODES=${PP_CLUSTER_FAULT_NODES:-3}
+[[ $FAULT_NODES =~ ^[0-9]$ ]] && ((NODES + FAULT_NODES <= 9)) ||
+  { echo "PP_CLUSTER_FAULT_NODES must be 0-$((9 - NODES)), not '$FAULT_NODES'" >&2; exit 2; }
 NET=${PP_CLUSTER_NET:-10.77.0}          # a private /24: the bridge is .1, nodeI is .1I
 [[ $NET =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "PP_CLUSTER_NET must be A.B.C, not '$NET'" >&2; exit 2; }
 BRIDGE=pp-br0
 BRIDGE_ADDR=$NET.1
 NODE_NAMES=()
-for ((i = 1; i <= NODES; i++)); do NODE_NAMES+=("node$i"); done
-# shellcheck disable=SC2034  # read by render through ${!name}
-NODELIST="node[1-$NODES]"
-((NODES > 1)) || NODELIST=node1
+for ((i = 1; i <= NODES + FAULT_NODES; i++)); do NODE_NAMES+=("node$i"); done
+# A Slurm host list of nodes FIRST..LAST.
+host_range() { if (($1 == $2)); then echo "node$1"; else echo "node[$1-$2]"; fi; }
+# shellcheck disable=SC2034  # NODELIST and FAULT_PARTITION are read by render through ${!name}
+NODELIST=$(host_range 1 "$NODES")
+FAULT_PARTITION=
+# shellcheck disable=SC2034
+((FAULT_NODES == 0)) || FAULT_PARTITION="PartitionName=faults Nodes=$(
+  host_range $((NODES + 1)) $((NODES + FAULT_NODES))) MaxTime=INFINITE State=UP"
 DB_SOCKET=$STATE/mysqld/mysqld.sock
 HOST_KEY=$STATE/ssh/ssh_host_ed25519_key
 CLIENT_KEY=$STATE/id_ed25519
@@ -148,8 +159,8 @@ write_file() {
 render() {
   local v out
   out=$(<"$REPO_ROOT/docker/slurm/$1")
-  for v in CLUSTER CTLD_HOST BRIDGE_ADDR NODELIST NODE_LINES STATE MEM_MB DB_PORT DB_PASS \
-    SSH_LISTEN SSH_PORT HOST_KEY CLUSTER_USER; do
+  for v in CLUSTER CTLD_HOST BRIDGE_ADDR NODELIST FAULT_PARTITION NODE_LINES STATE MEM_MB DB_PORT \
+    DB_PASS SSH_LISTEN SSH_PORT HOST_KEY CLUSTER_USER; do
     out=${out//@$v@/${!v}}
   done
   [[ ! $out =~ @[A-Z_]+@ ]] || die "unfilled placeholder ${BASH_REMATCH[0]} in $1"
@@ -482,8 +493,9 @@ cmd_up() {
   for n in "${NODE_NAMES[@]}"; do wait_for "slurmd-$n" 60 node_ready "$n"; done
   start_sshd
   write_airflow_env
-  log "cluster $CLUSTER up in $((SECONDS - t0))s (nodes $NODELIST on $BRIDGE $BRIDGE_ADDR/24," \
-    "ssh $CLUSTER_USER@$SSH_HOST:$SSH_PORT)"
+  local faults=${FAULT_PARTITION#*Nodes=}
+  log "cluster $CLUSTER up in $((SECONDS - t0))s (nodes $NODELIST${faults:+, faults ${faults%% *}}" \
+    "on $BRIDGE $BRIDGE_ADDR/24, ssh $CLUSTER_USER@$SSH_HOST:$SSH_PORT)"
   cmd_sync_env
   log "done in $((SECONDS - t0))s; connection: $STATE/airflow.env"
 }

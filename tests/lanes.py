@@ -1,4 +1,4 @@
-"""``make test``: the whole suite in lanes, two of them at once, so that the stories that mostly
+"""``make test``: the whole suite in lanes, several at once, so that the stories that mostly
 wait (on Slurm queues, Airflow's scheduler, a server's restart) wait side by side.
 
     python -m tests.lanes [PYTEST_ARGS...]
@@ -6,9 +6,11 @@ wait (on Slurm queues, Airflow's scheduler, a server's restart) wait side by sid
 With arguments this is plain pytest (a developer's selection runs as asked). Without, it runs
 
   phase 1, at once:  the production stack's story (tests/stack: its own PostgreSQL, Redis,
-                     Celery workers, triggerers, MLflow and S3 server, on its own ports), and
+                     Celery workers, triggerers, MLflow and S3 server, on its own ports),
                      every other test that does not disturb the cluster, in two lanes split by
-                     path (LANE_A_TESTS, LANE_B_TESTS and the rest);
+                     path (LANE_A_TESTS, LANE_B_TESTS and the rest), and the ``fault_nodes``
+                     tests, which set down and cut off only the nodes of the cluster's
+                     ``faults`` partition, where no other test runs a job;
   phase 2, alone:    the ``disruptive`` tests: they stop slurmdbd or sshd, set nodes down, cut
                      a node's link or make the login shell print a banner, and would break what
                      runs beside them. Which tests those are is checked (tests/test_lanes.py).
@@ -16,7 +18,7 @@ With arguments this is plain pytest (a developer's selection runs as asked). Wit
 Each lane is its own pytest process with its own session fixtures (the lanes share no port:
 the stack listens on 196xx, the other stories on 18xxx). The exit status is non-zero when any
 lane fails; the last lane of a phase streams its output, the others' is printed when they end.
-Most of the suite waits (on Slurm, Airflow's scheduler, a server), so three lanes on two cores
+Most of the suite waits (on Slurm, Airflow's scheduler, a server), so four lanes on two cores
 take far less wall time than one, at the price of a higher load.
 """
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.airflow import SESSION_PORT, SESSION_PORT_ENV
-from tests.support.tiers import DISRUPTIVE
+from tests.support.tiers import DISRUPTIVE, FAULT_NODES
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 STACK_TESTS = "tests/stack"
@@ -68,6 +70,11 @@ STACK_LANE_TESTS = (STACK_TESTS, "tests/preflight/test_bridge_preflight.py",
 LANE_A_TESTS = ("tests/pipeline", "tests/slurm", "tests/tracking")
 LANE_B_TESTS = ("tests/pipeline/test_campaign_faults.py",)
 NOT_DISRUPTIVE = ("-m", f"not {DISRUPTIVE}")
+ON_SHARED_NODES = ("-m", f"not {DISRUPTIVE} and not {FAULT_NODES}")
+# The fault partition's node-failure stories (~16 min, mostly Slurm's own timers: a cut-off
+# node is declared down SlurmdTimeout after its last answer) ran alone in phase 2 until they
+# had nodes of their own.
+FAULT_NODES_LANE = "faults"
 TESTS_DIR = Path(__file__).parent
 
 
@@ -97,12 +104,14 @@ def the_rest(taken: tuple[str, ...], own: tuple[str, ...] = ()) -> tuple[str, ..
     return (*rest, *own, *_ignoring(*(path for path in taken if _inside(path, rest))))
 
 
-PHASE_1 = (Lane("stack", (*taking(STACK_LANE_TESTS, (*LANE_A_TESTS, *LANE_B_TESTS)),
-                          *NOT_DISRUPTIVE), durations=10),
+PHASE_1 = (Lane(FAULT_NODES_LANE, ("tests", "-m", f"{FAULT_NODES} and not {DISRUPTIVE}"),
+                durations=5),
+           Lane("stack", (*taking(STACK_LANE_TESTS, (*LANE_A_TESTS, *LANE_B_TESTS)),
+                          *ON_SHARED_NODES), durations=10),
            Lane("main-b", (*the_rest((*STACK_LANE_TESTS, *LANE_A_TESTS), LANE_B_TESTS),
-                           *NOT_DISRUPTIVE), durations=20),
+                           *ON_SHARED_NODES), durations=20),
            Lane("main-a", (*taking(LANE_A_TESTS, (*STACK_LANE_TESTS, *LANE_B_TESTS)),
-                           *NOT_DISRUPTIVE), airflow_port=SESSION_PORT))
+                           *ON_SHARED_NODES), airflow_port=SESSION_PORT))
 PHASE_2 = (Lane(DISRUPTIVE, ("tests", "-m", DISRUPTIVE), durations=15),)
 # Each lane's JUnit report (per-test times: where the next rebalancing starts), kept after the
 # run; the summary prints each lane's slowest modules from it.

@@ -1,5 +1,6 @@
 """``make test`` runs the suite in lanes (tests/lanes.py); the lanes are only safe if every
-test that disturbs the cluster carries the ``disruptive`` marker. Checked from the source."""
+test that disturbs the cluster carries the ``disruptive`` marker, or ``fault_nodes`` when what
+it disturbs is the fault partition's nodes only. Checked from the source."""
 
 from __future__ import annotations
 
@@ -7,13 +8,20 @@ import ast
 import functools
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests import lanes
 from tests.support.airflow import SESSION_PORT_ENV
-from tests.support.tiers import DISRUPTIVE, DISRUPTIVE_CALLS, DISRUPTIVE_COMMANDS
+from tests.support.tiers import (
+    DISRUPTIVE,
+    DISRUPTIVE_CALLS,
+    DISRUPTIVE_COMMANDS,
+    FAULT_NODES,
+    HAZARD_MARKERS,
+)
 
 TESTS = Path(__file__).parent
 
@@ -45,7 +53,7 @@ def _is_fixture(func: ast.FunctionDef) -> bool:
 def unmarked_disruptive_tests(source: str) -> list[str]:
     """The tests (and fixtures) of a module that disturb the cluster without the marker."""
     tree = ast.parse(source)
-    module_marked = any(DISRUPTIVE in _marks(node) for node in tree.body
+    module_marked = any(_marks(node) & HAZARD_MARKERS for node in tree.body
                         if isinstance(node, ast.Assign)
                         and any(getattr(t, "id", "") == "pytestmark" for t in node.targets))
     funcs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
@@ -64,7 +72,7 @@ def unmarked_disruptive_tests(source: str) -> list[str]:
         if _is_fixture(func) and not module_marked:
             bad.append(f"fixture {func.name} (mark the module)")
         elif func.name.startswith("test_") and not (
-                module_marked or DISRUPTIVE in _marks(ast.Module(func.decorator_list, []))):
+                module_marked or _marks(ast.Module(func.decorator_list, [])) & HAZARD_MARKERS):
             bad.append(func.name)
     return bad
 
@@ -86,6 +94,8 @@ def test_every_test_that_disturbs_the_cluster_is_marked_disruptive() -> None:
     ("import pytest\n@pytest.fixture\ndef outage():\n    cluster.stop_slurmdbd()\n",
      ["fixture outage (mark the module)"]),
     ("def test_reads_only():\n    cluster.remote('squeue')\n", []),
+    ("import pytest\npytestmark = [pytest.mark.cluster, pytest.mark.fault_nodes]\n"
+     "def test_a():\n    cluster.cut_node_link('node4')\n", []),
 ])
 def test_the_check_finds_calls_helpers_and_fixtures(source, expected) -> None:
     assert unmarked_disruptive_tests(source) == expected
@@ -103,8 +113,12 @@ def test_the_lanes_run_every_test_once_as_pytest_collects_them() -> None:
     """Collected for real: phase 1's lanes together are exactly the suite's non-disruptive
     tests, none in two lanes (a module split over two processes would run its fixtures twice),
     and phase 2 is the disruptive ones."""
-    everything = _collected("tests", *lanes.NOT_DISRUPTIVE)
-    per_lane = {lane.name: _collected(*lane.args) for lane in lanes.PHASE_1}
+    # Four collections of the whole suite, at once: ~40 s each at CI's load.
+    with ThreadPoolExecutor(len(lanes.PHASE_1) + 1) as pool:
+        everything = pool.submit(_collected, "tests", *lanes.NOT_DISRUPTIVE)
+        per_lane = {lane.name: pool.submit(_collected, *lane.args) for lane in lanes.PHASE_1}
+        everything = everything.result()
+        per_lane = {name: future.result() for name, future in per_lane.items()}
     assert all(per_lane.values()), {name: len(ids) for name, ids in per_lane.items()}
     together = [test for ids in per_lane.values() for test in ids]
     assert sorted(together) == sorted(everything)
@@ -112,6 +126,14 @@ def test_the_lanes_run_every_test_once_as_pytest_collects_them() -> None:
     # What each lane was given to take is where its tests come from.
     assert any(t.startswith("tests/pipeline/test_campaign_faults.py") for t in per_lane["main-b"])
     assert any(t.startswith(lanes.STACK_TESTS) for t in per_lane["stack"])
+    # The fault partition's stories, and only they, have their lane: the modules whose
+    # pytestmark names the marker.
+    marked = {str(path.relative_to(TESTS.parent)) for path in sorted(TESTS.rglob("test_*.py"))
+              if any(FAULT_NODES in _marks(node) for node in ast.parse(path.read_text()).body
+                     if isinstance(node, ast.Assign)
+                     and any(getattr(t, "id", "") == "pytestmark" for t in node.targets))}
+    assert marked
+    assert {t.split("::")[0] for t in per_lane[lanes.FAULT_NODES_LANE]} == marked
 
 
 def test_the_rest_leaves_out_what_other_lanes_take_from_inside_it(tmp_path, monkeypatch) -> None:

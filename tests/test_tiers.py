@@ -88,7 +88,7 @@ def test_servers_boot_once_when_a_selected_test_needs_them(inner, args) -> None:
 def test_markers_are_registered_and_fixtures_exist() -> None:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     registered = {m.split(":")[0] for m in config["tool"]["pytest"]["ini_options"]["markers"]}
-    assert {*tiers.COSTLY, tiers.PURE} <= registered
+    assert {*tiers.COSTLY, tiers.PURE, *tiers.HAZARD_MARKERS} <= registered
     defined = {name for path in TESTS.rglob("conftest.py")
                for name in re.findall(r"^def (\w+)\(", path.read_text(), re.M)}
     assert set(tiers.FIXTURE_TIERS) <= defined, set(tiers.FIXTURE_TIERS) - defined

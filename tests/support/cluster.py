@@ -101,6 +101,39 @@ def port_open_on_nodes(port: int) -> list[str]:
     return open_on
 
 
+# The partition of the nodes only the node-failure stories use (docker/local_cluster.sh:
+# PP_CLUSTER_FAULT_NODES): they set them down and cut their links while the rest of the suite
+# runs on the others.
+FAULT_PARTITION = "faults"
+
+
+def _node_number(name: str) -> int:
+    return int(name.removeprefix("node"))
+
+
+def partition_nodes(partition: str) -> list[str]:
+    """The nodes of ``partition``, in number order (node4, node5, ...)."""
+    out = subprocess.run(["sinfo", "--noheader", "--Node", f"--partition={partition}",
+                          "--format=%N"], capture_output=True, text=True, check=True).stdout
+    return sorted(set(out.split()), key=_node_number)
+
+
+def hostlist(*names: str) -> str:
+    """Slurm's compressed host list of ``names`` as sacct and squeue print it: node[4-5],
+    node[4,6], node5."""
+    numbers = sorted(_node_number(name) for name in names)
+    if len(numbers) == 1:
+        return f"node{numbers[0]}"
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs]
+    return f"node[{','.join(parts)}]"
+
+
 def node_names() -> list[str]:
     """The cluster's compute nodes, as ``sinfo`` lists them (node1, node2, ...)."""
     out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N"], capture_output=True,

@@ -26,6 +26,11 @@ DISRUPTIVE_CALLS = frozenset({
     "restart_cluster_services", "stop_slurmdbd", "drop_sshd", "login_banner",
     "set_node_state", "cut_node_link",
 })
+# A lesser hazard: the test sets down or cuts off only the nodes of the cluster's ``faults``
+# partition, which nothing else uses (tests/support/cluster.py: FAULT_PARTITION). ``make test``
+# runs these beside the rest, in a lane of their own; the same check accepts either marker.
+FAULT_NODES = "fault_nodes"
+HAZARD_MARKERS = frozenset({DISRUPTIVE, FAULT_NODES})
 # Command words that disrupt the cluster when a test runs them itself.
 DISRUPTIVE_COMMANDS = ("scontrol update", "nodename=", "ip link set")
 

@@ -5,9 +5,11 @@ whose rank is SIGKILLed.
 Each job hangs on cue after iteration 3 (jobscripts/trainer_faults.py; its checkpoint is at
 2), which gives the fault a moment where the job is certainly training.
 
-The node-state and link tests are ``disruptive`` (run alone, under ``flock -x
-/tmp/pp-cluster.lock``); every node is resumed and the link restored in ``finally``. The killed
-rank touches only the test's own processes (``flock -s``).
+Every job runs in the cluster's ``faults`` partition, on nodes no other test uses
+(docker/local_cluster.sh: PP_CLUSTER_FAULT_NODES): setting them down and cutting their links
+disturbs nothing else, so the module runs beside the rest of the suite, in a lane of its own
+(``fault_nodes``: tests/lanes.py), under ``flock -s /tmp/pp-cluster.lock``. Every node is
+resumed and the link restored in ``finally``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -41,12 +43,39 @@ from tests.trainer.test_multinode_cluster import (
     wait_done,
 )
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.fault_nodes]
 
 HANG = {"hang": {"at_iteration": 3, "signals": True}}
 # Holds the master port (bridge.py's MASTER_PORT) on all of a node's addresses.
 SQUAT = ("import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 29500)); s.listen(); "
          "print('listening', flush=True); time.sleep(600)")
+
+
+@dataclass(frozen=True)
+class FaultNodes:
+    """The fault partition's three nodes in order: a 2-node job on ``a`` and ``b`` has its
+    rank 0 (the rendezvous host) on ``a``; ``c`` is where a requeue or a retry goes."""
+
+    a: str
+    b: str
+    c: str
+
+    def veth(self, node: str) -> str:
+        """The node's link on the bridge (local_cluster.sh: pp-vethI for nodeI)."""
+        return f"pp-veth{node.removeprefix('node')}"
+
+
+@pytest.fixture(scope="module")
+def nodes() -> FaultNodes:
+    found = cluster.partition_nodes(cluster.FAULT_PARTITION)
+    assert len(found) >= 3, (f"the {cluster.FAULT_PARTITION} partition has {found}: "
+                             "docker/local_cluster.sh up with PP_CLUSTER_FAULT_NODES=3")
+    return FaultNodes(*found[:3])
+
+
+def on_faults(hook, nodes: int, config: dict, name: str, **job_changes):
+    """:func:`submit` into the fault partition."""
+    return submit(hook, nodes, config, name, partition=cluster.FAULT_PARTITION, **job_changes)
 
 
 def scontrol(*args: str) -> str:
@@ -67,7 +96,8 @@ def held(node: str):
     onto the other two without ``--exclude`` or ``--nodelist``, which a requeued job keeps
     (its requeue must be free to go to ``node``)."""
     job_id = cluster.remote(f"sbatch --parsable --exclusive --nodelist={node} "
-                            "--job-name=pp-hold --output=/dev/null --wrap 'sleep 900'").strip()
+                            f"--partition={cluster.FAULT_PARTITION} --job-name=pp-hold "
+                            "--output=/dev/null --wrap 'sleep 900'").strip()
     try:
         cluster.wait_for(lambda: cluster.remote(f"squeue -h -j {job_id} -o %T").strip()
                          == "RUNNING", 120, f"{node} held by job {job_id}")
@@ -114,28 +144,29 @@ def faulty_config(hook, prefix: str, name: str, **changes) -> dict:
     return config
 
 
-@pytest.mark.disruptive
-def test_node_down_requeues_or_is_excluded_and_a_taken_port_fails_clearly(hook, tmp_path):
+def test_node_down_requeues_or_is_excluded_and_a_taken_port_fails_clearly(hook, tmp_path,
+                                                                           nodes):
     prefix = upload_dataset(hook, tmp_path)
     timings = {}
     try:
-        # (a) node2 of a running --requeue segment on node[1-2] goes DOWN.
+        # (a) node b of a running --requeue segment on a and b goes DOWN.
         config = faulty_config(hook, prefix, "ckpt-down")
-        with held("node3"):
-            job = submit(hook, 2, config, "down")
+        with held(nodes.c):
+            job = on_faults(hook, 2, config, "down")
             wait_hanging(hook, job)
-        assert job_field(job[2], "NodeList") == "node[1-2]"
-        scontrol("update", "nodename=node2", "state=down", "reason=pp-test-node-down")
+        assert job_field(job[2], "NodeList") == cluster.hostlist(nodes.a, nodes.b)
+        scontrol("update", f"nodename={nodes.b}", "state=down", "reason=pp-test-node-down")
         down_at = time.monotonic()
-        print("sinfo with node2 down:", repr(subprocess.run(
-            ["sinfo", "--noheader", "--Node", "--format=%N %t", "--nodes=node[1-2]"],
+        print(f"sinfo with {nodes.b} down:", repr(subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--format=%N %t",
+             f"--nodes={cluster.hostlist(nodes.a, nodes.b)}"],
             capture_output=True, text=True).stdout))
         record = wait_done(hook, job[2], job[0])
         timings["down_to_completed_s"] = time.monotonic() - down_at
         assert record.state == "COMPLETED", (record, log_of(hook, job)[-3000:])
-        assert record.job_id == job[2] and record.nodelist == "node[1,3]"
+        assert record.job_id == job[2] and record.nodelist == cluster.hostlist(nodes.a, nodes.c)
         assert job_field(job[2], "Restarts") == "1"
-        # An admin's DOWN leaves node2's slurmd alive: Slurm signals the job's steps on both
+        # An admin's DOWN leaves b's slurmd alive: Slurm signals the job's steps on both
         # nodes (SIGTERM, then KillWait), and the trainer saves iteration 3 before it exits,
         # so the requeued job resumes there and trains nothing twice. (A node that is really
         # lost saves nothing: the cut-off test below.)
@@ -148,37 +179,39 @@ def test_node_down_requeues_or_is_excluded_and_a_taken_port_fails_clearly(hook, 
         assert "exiting program after receiving SIGTERM" in log
         assert "successfully saved checkpoint from iteration       3" in log
         assert sorted(losses(log)) == [1, 2, 3, 4, 5, 6]  # each step once (losses() checks)
-        scontrol("update", "nodename=node2", "state=resume")
+        scontrol("update", f"nodename={nodes.b}", "state=resume")
 
-        # (b) the same with --no-requeue: NODE_FAIL; the operator's retry excludes node2 only
-        # (the cluster cannot spare both of the job's nodes) and runs on node1 and node3.
+        # (b) the same with --no-requeue: NODE_FAIL; the operator's retry excludes b only
+        # (the partition cannot spare both of the job's nodes) and runs on a and c.
         config = faulty_config(hook, prefix, "ckpt-norequeue")
-        key, run_dir, spec = segment_spec(hook, 2, "norequeue", exclude="node3", requeue=False)
+        key, run_dir, spec = segment_spec(hook, 2, "norequeue", exclude=nodes.c, requeue=False,
+                                          partition=cluster.FAULT_PARTITION)
         job = (key, run_dir, hook.submit(spec, run_dir, {CONFIG_FILE: json.dumps(config)}))
         wait_hanging(hook, job)
-        scontrol("update", "nodename=node2", "state=down", "reason=pp-test-node-down")
+        scontrol("update", f"nodename={nodes.b}", "state=down", "reason=pp-test-node-down")
         record = wait_done(hook, job[2], job[0])
         assert (record.state, classify(record.state)) == ("NODE_FAIL", Outcome.RETRYABLE)
         operator = SlurmJobOperator(task_id="segment", ssh_conn_id=cluster.CONN_ID)
         retry_spec = operator._avoid_failed_nodes(replace(spec, exclude=None), record)
-        assert retry_spec.exclude == "node2"
+        assert retry_spec.exclude == nodes.b
         job = (key, run_dir, hook.submit(retry_spec, run_dir,
                                          {CONFIG_FILE: json.dumps(config)}))
         record = wait_done(hook, job[2], job[0])
-        assert record.state == "COMPLETED" and record.nodelist == "node[1,3]", record
+        assert record.state == "COMPLETED", record
+        assert record.nodelist == cluster.hostlist(nodes.a, nodes.c), record
         segment = hook.read_json(posixpath.join(run_dir, SEGMENT_RESULT))
         # As in (a), the failed job saved iteration 3 on Slurm's SIGTERM.
         assert segment["resumed_from"]["iteration"] == 3 and segment["iterations_redone"] == 0
-        scontrol("update", "nodename=node2", "state=resume")
+        scontrol("update", f"nodename={nodes.b}", "state=resume")
 
-        # (e) the rendezvous cannot form: node2's master port is taken. torchrun's store
+        # (e) the rendezvous cannot form: b's master port is taken. torchrun's store
         # fails to listen; the job fails fast and says why in its log (the task's error).
         squatter = subprocess.Popen(
-            ["nsenter", "--net=/run/netns/node2", sys.executable, "-c", SQUAT],
+            ["nsenter", f"--net=/run/netns/{nodes.b}", sys.executable, "-c", SQUAT],
             stdout=subprocess.PIPE, text=True)
         try:
             assert squatter.stdout.readline().strip() == "listening"
-            job = submit(hook, 2, config, "port-taken", exclude="node1")
+            job = on_faults(hook, 2, config, "port-taken", exclude=nodes.a)
             record = wait_done(hook, job[2], job[0], timeout=300)
             assert record.state == "FAILED", record
             log = log_of(hook, job)
@@ -187,7 +220,7 @@ def test_node_down_requeues_or_is_excluded_and_a_taken_port_fails_clearly(hook, 
             squatter.kill()
             squatter.wait()
     finally:
-        for node in ("node1", "node2", "node3"):
+        for node in (nodes.a, nodes.b, nodes.c):
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
                            capture_output=True)
     print("multinode fault timings:", json.dumps({k: round(v) for k, v in timings.items()}))
@@ -238,35 +271,35 @@ def end_orphans(job_id: str, rank0: int, slurm_s: float = 60, term_s: float = 60
     return False
 
 
-@pytest.mark.disruptive
-def test_node_cut_off_requeues_and_its_orphans_are_fenced(hook, tmp_path):
-    """(c) node1 (rank 0, the rendezvous host) loses its link under a running --requeue
-    segment: Slurm finds it not responding, marks it down and requeues the job on node[2-3].
+def test_node_cut_off_requeues_and_its_orphans_are_fenced(hook, tmp_path, nodes):
+    """(c) node a (rank 0, the rendezvous host) loses its link under a running --requeue
+    segment: Slurm finds it not responding, marks it down and requeues the job on b and c.
     When the link is back, the orphaned rank 0 must not write into the checkpoints."""
     prefix = upload_dataset(hook, tmp_path)
     config = faulty_config(hook, prefix, "ckpt-cut")
     timings = {}
     try:
-        with held("node3"):
-            job = submit(hook, 2, config, "cut")
+        with held(nodes.c):
+            job = on_faults(hook, 2, config, "cut")
             wait_hanging(hook, job)
-        assert job_field(job[2], "NodeList") == "node[1-2]"
+        assert job_field(job[2], "NodeList") == cluster.hostlist(nodes.a, nodes.b)
         first_rank0 = trainer_pid(job[2], 0)
-        subprocess.run(["ip", "link", "set", "pp-veth1", "down"], check=True)
+        subprocess.run(["ip", "link", "set", nodes.veth(nodes.a), "down"], check=True)
         cut_at = time.monotonic()
         record = wait_done(hook, job[2], job[0], timeout=600)
         timings["cut_to_completed_s"] = time.monotonic() - cut_at
-        assert record.state == "COMPLETED" and record.nodelist == "node[2-3]", record
+        assert record.state == "COMPLETED", record
+        assert record.nodelist == cluster.hostlist(nodes.b, nodes.c), record
         assert job_field(job[2], "Restarts") == "1"
         assert Path(f"/proc/{first_rank0}").exists(), "the orphan should outlive the cut"
     finally:
-        subprocess.run(["ip", "link", "set", "pp-veth1", "up"], check=True)
+        subprocess.run(["ip", "link", "set", nodes.veth(nodes.a), "up"], check=True)
         # What an admin does once a node is back: resume it, and have the slurmds register
         # again. A registration is where a slurmd reports the steps it still runs: slurmctld
         # names the first incarnation's "Orphan StepId" and has them killed. (A resume alone
         # only pings the node; without either, a node DOWN as not responding waited ~6 min
         # here for slurmctld's next registration request.)
-        subprocess.run(["scontrol", "update", "nodename=node1", "state=resume"],
+        subprocess.run(["scontrol", "update", f"nodename={nodes.a}", "state=resume"],
                        capture_output=True)
         subprocess.run(["scontrol", "reconfigure"], capture_output=True)
     try:
@@ -296,31 +329,32 @@ def test_node_cut_off_requeues_and_its_orphans_are_fenced(hook, tmp_path):
             assert any(f"lease taken by job {job[2]} (restart 1)" in line
                        for line in last_words), last_words
     finally:
-        cluster.wait_for(lambda: "node1" in subprocess.run(
-            ["sinfo", "--noheader", "--Node", "--format=%N %t", "--nodes=node1"],
-            capture_output=True, text=True).stdout, 60, "node1 listed")
-        subprocess.run(["scontrol", "update", "nodename=node1", "state=resume"],
+        cluster.wait_for(lambda: nodes.a in subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--format=%N %t", f"--nodes={nodes.a}"],
+            capture_output=True, text=True).stdout, 60, f"{nodes.a} listed")
+        subprocess.run(["scontrol", "update", f"nodename={nodes.a}", "state=resume"],
                        capture_output=True)
     print("cut-off timings:", json.dumps({k: round(v) for k, v in timings.items()}))
 
 
-def test_a_killed_rank_fails_the_job_fast_and_the_retry_resumes(hook, tmp_path):
-    """(d) touches only this test's own processes: the shared cluster lock is enough."""
+def test_a_killed_rank_fails_the_job_fast_and_the_retry_resumes(hook, tmp_path, nodes):
+    """(d) one rank of a 2-node job on b and c is SIGKILLed."""
     prefix = upload_dataset(hook, tmp_path)
     timings = {}
     # (d) one rank SIGKILLed: --kill-on-bad-exit ends the job at once, not at its limit.
     config = faulty_config(hook, prefix, "ckpt-kill")
-    job = submit(hook, 2, config, "kill", exclude="node1")
+    job = on_faults(hook, 2, config, "kill", exclude=nodes.a)
     wait_hanging(hook, job)
     os.kill(trainer_pid(job[2], 1), signal.SIGKILL)
     killed_at = time.monotonic()
     record = wait_done(hook, job[2], job[0], timeout=300)
     timings["kill_to_failed_s"] = time.monotonic() - killed_at
-    assert record.state == "FAILED" and record.nodelist == "node[2-3]", record
+    assert record.state == "FAILED", record
+    assert record.nodelist == cluster.hostlist(nodes.b, nodes.c), record
     log = log_of(hook, job)
     assert "ChildFailedError" in log or "Exited with exit code" in log, log[-3000:]
     # The retry resumes from the checkpoint the killed job left.
-    retry = submit(hook, 2, config, "kill-retry", exclude="node1")
+    retry = on_faults(hook, 2, config, "kill-retry", exclude=nodes.a)
     record = wait_done(hook, retry[2], retry[0])
     assert record.state == "COMPLETED", log_of(hook, retry)[-3000:]
     segment = hook.read_json(posixpath.join(retry[1], SEGMENT_RESULT))

@@ -53,6 +53,8 @@ for ((i = 1; i <= NODES + FAULT_NODES; i++)); do NODE_NAMES+=("node$i"); done
 host_range() { if (($1 == $2)); then echo "node$1"; else echo "node[$1-$2]"; fi; }
 # shellcheck disable=SC2034  # NODELIST and FAULT_PARTITION are read by render through ${!name}
 NODELIST=$(host_range 1 "$NODES")
+# shellcheck disable=SC2034  # every node, the fault partition's included (gres.conf)
+ALL_NODES=$(host_range 1 $((NODES + FAULT_NODES)))
 FAULT_PARTITION=
 # shellcheck disable=SC2034
 ((FAULT_NODES == 0)) || FAULT_PARTITION="PartitionName=faults Nodes=$(
@@ -159,8 +161,8 @@ write_file() {
 render() {
   local v out
   out=$(<"$REPO_ROOT/docker/slurm/$1")
-  for v in CLUSTER CTLD_HOST BRIDGE_ADDR NODELIST FAULT_PARTITION NODE_LINES STATE MEM_MB DB_PORT \
-    DB_PASS SSH_LISTEN SSH_PORT HOST_KEY CLUSTER_USER; do
+  for v in CLUSTER CTLD_HOST BRIDGE_ADDR NODELIST ALL_NODES FAULT_PARTITION NODE_LINES STATE \
+    MEM_MB DB_PORT DB_PASS SSH_LISTEN SSH_PORT HOST_KEY CLUSTER_USER; do
     out=${out//@$v@/${!v}}
   done
   [[ ! $out =~ @[A-Z_]+@ ]] || die "unfilled placeholder ${BASH_REMATCH[0]} in $1"

@@ -105,6 +105,25 @@ def test_the_final_evaluate_waits_for_a_run_with_the_checkpoint_never_for_a_lost
     assert not wait(None, announced=True, idle_polls=eval_dag.IDLE_POLLS)
 
 
+def test_exports_ship_the_tokenizer_the_segments_loaded(tmp_path) -> None:
+    """A campaign with its own prefixes and ``data.tokenizer.path`` runs no data stage, so the
+    layout's data/tokenizer stays empty: both exports (the final one and each checkpoint's)
+    name the tokenizer the segments loaded. (The goodput bench's evaluated campaign failed
+    every checkpoint export on "no tokenizer files" before.)"""
+    from operators.campaign.render import stages
+    from operators.campaign.schema.load import campaign_from_dict
+
+    elsewhere = "/home/pretrain/shared/tokenizers/bpe-32k"
+    campaign = campaign_from_dict(edited(raw(HEALTH), {"data.tokenizer": {"path": elsewhere}}))
+    layout = Layout.for_campaign(campaign)
+    assert layout.tokenizer != elsewhere
+    checkpoint_export = checkpoint_eval.export_request(campaign, layout, [2])
+    argv = shlex.split(checkpoint_export.command.splitlines()[-1])
+    assert argv[argv.index("--tokenizer") + 1] == elsewhere
+    argv = shlex.split(stages.export(campaign, layout)["command"].splitlines()[-1])
+    assert argv[argv.index("--tokenizer") + 1] == elsewhere
+
+
 def test_checkpoint_jobs_render_the_final_stages_flags_per_iteration(tmp_path) -> None:
     campaign = load_campaign(HEALTH)
     layout = Layout.for_campaign(campaign)

@@ -135,7 +135,8 @@ def test_export_runs_in_the_training_image_on_cpu(jobs, campaign) -> None:
     # 1: the recipe's HF model, resolved from HF_HOME by the job, never the tokenizer dir.
     args = shlex.split(inner.rsplit("; ", 1)[1])
     assert args[args.index("--hf-model") + 1] == "meta-llama/Meta-Llama-3.1-8B"
-    assert args[args.index("--tokenizer") + 1] == f"{ROOT}/data/tokenizer"
+    # The tokenizer the segments loaded (data.tokenizer.path), beside the weights.
+    assert args[args.index("--tokenizer") + 1] == campaign.data.tokenizer.path
 
 
 def test_preflight_runs_in_the_training_image_without_a_gpu(jobs, campaign) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from jobscripts.checkpoint_eval import EVAL_RESULT, checkpoint_folder
 from operators.campaign.render import stages
 from operators.campaign.render.layout import RESULT_FILE, Layout
+from operators.campaign.render.paths import loaded_tokenizer
 from operators.campaign.render.placement import stage_command, stage_launch
 from operators.slurm.messages import JobRequest
 
@@ -57,7 +58,7 @@ def _request(campaign: Campaign, layout: Layout, stage: str, step: str,
 
 def export_request(campaign: Campaign, layout: Layout, iterations: Sequence[int]) -> JobRequest:
     """Hugging Face exports of ``iterations`` (the final export's flags: tokenizer, Bridge)."""
-    rest: list[object] = ["--tokenizer", layout.tokenizer]
+    rest: list[object] = ["--tokenizer", loaded_tokenizer(campaign, layout)]
     if campaign.model.recipe is not None:
         from operators.campaign.schema.rules import recipe_hf_model
 

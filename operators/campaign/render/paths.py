@@ -68,6 +68,13 @@ def data_path(campaign: Campaign, inputs: RunInputs) -> list[str]:
     return [x for item in data.blend or () for x in (str(item.weight), item.prefix)]
 
 
+def loaded_tokenizer(campaign: Campaign, layout: Layout) -> str:
+    """The tokenizer the segments loaded, which an export ships beside the weights:
+    ``data.tokenizer.path`` when the campaign names one, else the data stage's (the layout's
+    ``data/tokenizer``, which a campaign with its own prefixes and tokenizer never fills)."""
+    return tokenizer_dir(campaign, RunInputs.of(), default=layout.tokenizer)
+
+
 def tokenizer_dir(campaign: Campaign, inputs: RunInputs, default: str | None = None) -> str:
     """The tokenizer directory a run loads (both trainers): ``data.tokenizer.path`` when the
     campaign names one (a campaign with its own prefixes runs no data stage that would copy

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from jobscripts.hf_fetch import parse_hf_uri
 from operators.campaign.render.layout import RESULT_FILE, Layout
+from operators.campaign.render.paths import loaded_tokenizer
 from operators.campaign.render.placement import stage_command, stage_launch
 from operators.campaign.schema.rules import recipe_hf_model
 
@@ -152,7 +153,7 @@ def token_gate(campaign: Campaign, layout: Layout, ingest_result: str) -> dict:
 def export(campaign: Campaign, layout: Layout) -> dict:
     """Hugging Face safetensors from the latest complete checkpoint, verified after writing."""
     args = ["--checkpoint-root", layout.checkpoints, "--output", layout.hf_export,
-            "--tokenizer", layout.tokenizer]
+            "--tokenizer", loaded_tokenizer(campaign, layout)]
     if campaign.model.recipe is not None:
         # The model the recipe was built from (its config.json, from HF_HOME offline), with
         # which Bridge maps the checkpoint back to HF names; the tokenizer folder has none.

@@ -32,6 +32,13 @@ def _marks(node: ast.AST) -> set[str]:
             and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
 
 
+def _module_marks(tree: ast.Module) -> set[str]:
+    """The markers a module's ``pytestmark`` gives all its tests."""
+    return {mark for node in tree.body if isinstance(node, ast.Assign)
+            and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+            for mark in _marks(node)}
+
+
 def _disturbs(node: ast.AST, also: set[str]) -> bool:
     for n in ast.walk(node):
         name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
@@ -53,9 +60,7 @@ def _is_fixture(func: ast.FunctionDef) -> bool:
 def unmarked_disruptive_tests(source: str) -> list[str]:
     """The tests (and fixtures) of a module that disturb the cluster without the marker."""
     tree = ast.parse(source)
-    module_marked = any(_marks(node) & HAZARD_MARKERS for node in tree.body
-                        if isinstance(node, ast.Assign)
-                        and any(getattr(t, "id", "") == "pytestmark" for t in node.targets))
+    module_marked = bool(_module_marks(tree) & HAZARD_MARKERS)
     funcs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
     # Module helpers that disturb make their callers disturb too (to a fixed point).
     helpers: set[str] = set()
@@ -113,12 +118,12 @@ def test_the_lanes_run_every_test_once_as_pytest_collects_them() -> None:
     """Collected for real: phase 1's lanes together are exactly the suite's non-disruptive
     tests, none in two lanes (a module split over two processes would run its fixtures twice),
     and phase 2 is the disruptive ones."""
-    # Four collections of the whole suite, at once: ~40 s each at CI's load.
+    # One collection of the whole suite per lane and one more, at once: ~40 s each at CI's load.
     with ThreadPoolExecutor(len(lanes.PHASE_1) + 1) as pool:
-        everything = pool.submit(_collected, "tests", *lanes.NOT_DISRUPTIVE)
-        per_lane = {lane.name: pool.submit(_collected, *lane.args) for lane in lanes.PHASE_1}
-        everything = everything.result()
-        per_lane = {name: future.result() for name, future in per_lane.items()}
+        whole = pool.submit(_collected, "tests", *lanes.NOT_DISRUPTIVE)
+        lane_futures = {lane.name: pool.submit(_collected, *lane.args) for lane in lanes.PHASE_1}
+        everything = whole.result()
+        per_lane = {name: future.result() for name, future in lane_futures.items()}
     assert all(per_lane.values()), {name: len(ids) for name, ids in per_lane.items()}
     together = [test for ids in per_lane.values() for test in ids]
     assert sorted(together) == sorted(everything)
@@ -129,9 +134,7 @@ def test_the_lanes_run_every_test_once_as_pytest_collects_them() -> None:
     # The fault partition's stories, and only they, have their lane: the modules whose
     # pytestmark names the marker.
     marked = {str(path.relative_to(TESTS.parent)) for path in sorted(TESTS.rglob("test_*.py"))
-              if any(FAULT_NODES in _marks(node) for node in ast.parse(path.read_text()).body
-                     if isinstance(node, ast.Assign)
-                     and any(getattr(t, "id", "") == "pytestmark" for t in node.targets))}
+              if FAULT_NODES in _module_marks(ast.parse(path.read_text()))}
     assert marked
     assert {t.split("::")[0] for t in per_lane[lanes.FAULT_NODES_LANE]} == marked
 

@@ -37,7 +37,26 @@ LOG_TAIL_BYTES = 4000  # of a failed job's log, for the task's error
 # (airflow/jobs/triggerer_job_runner.py, logger_cache.pop on TriggerStateChanges). The stack
 # story met it in CI: the job's last lines missing from the task's trigger log.
 FINAL_LOG_GRACE_S = 2.0
+# Seconds a trigger runs at least before any event. The worker that deferred reports its exit
+# ("success") to the scheduler on its own; if that report comes after the resumed try was
+# queued, Airflow 3.3 takes it for the resumed try's end and fails it ("finished with state
+# success, but the task instance's state attribute is queued": apache/airflow#72716; 3.3
+# tolerates it only while the task is still `scheduled`). The report took 1.3 s on idle cores;
+# CI, loaded, met the race twice in a run on 2-second jobs (fault story, 2026-12-05). A job
+# found ended on a later poll waits nothing more; the cost falls on jobs over in seconds.
+DEFER_EXIT_GRACE_S = 10.0
 WATCH_LOG_MARK = "log watch finding:"  # then the LogFinding's JSON, on one task-log line
+
+
+def event_delay(now: float, started_at: float | None, last_line_at: float | None) -> float:
+    """Seconds to wait before a trigger event may go out (monotonic clock; see
+    FINAL_LOG_GRACE_S and DEFER_EXIT_GRACE_S)."""
+    waits = [0.0]
+    if started_at is not None:
+        waits.append(DEFER_EXIT_GRACE_S - (now - started_at))
+    if last_line_at is not None:
+        waits.append(FINAL_LOG_GRACE_S - (now - last_line_at))
+    return max(waits)
 
 
 class SlurmJobTrigger(BaseTrigger):
@@ -67,6 +86,7 @@ class SlurmJobTrigger(BaseTrigger):
         self.log_offsets = {str(k): int(v) for k, v in (log_offsets or {}).items()}
         self._drained: set[str] = set()  # tasks that ended and whose log was read to its end
         self._last_line_at: float | None = None  # monotonic: when a line was last streamed
+        self._started_at: float | None = None  # monotonic: when run() began
         self.poll_interval = poll_interval
         self.unknown_budget_s = unknown_budget_s
         self.result_path = result_path
@@ -257,6 +277,7 @@ class SlurmJobTrigger(BaseTrigger):
         poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
         poller.watch(self.job_id, self.job_name)
         seq, unknown_since, last_state, degraded = 0, None, None, False
+        self._started_at = time.monotonic()
         gate = SettleGate()
         try:
             await self._resume_stream(poller)
@@ -269,6 +290,7 @@ class SlurmJobTrigger(BaseTrigger):
                     unknown_since = unknown_since or time.monotonic()
                     waited = time.monotonic() - unknown_since
                     if waited > self.unknown_budget_s:
+                        await self._hold_the_event()
                         yield self._event(ERROR, message=(
                             f"job {self.job_id} state unknown for {waited:.0f}s: "
                             f"{snap.error or 'not found by sacct or squeue'}"))
@@ -279,6 +301,7 @@ class SlurmJobTrigger(BaseTrigger):
                 try:
                     outcome = classify(record.state)
                 except UnknownSlurmState as exc:
+                    await self._hold_the_event()
                     yield self._event(ERROR, message=str(exc))
                     return
                 seen = f"{record.state} {record.state_detail}".rstrip()
@@ -288,26 +311,27 @@ class SlurmJobTrigger(BaseTrigger):
                 if self.watch and not outcome.terminal:
                     await self._run_watchers(poller, record.state == "RUNNING")
                     if self.watch.ends_wait:
-                        await self._let_lines_reach_the_log()
+                        await self._hold_the_event()
                         yield self._event(WATCHED, outcome=outcome.value, record=record)
                         return
                 if gate.final(outcome, record.source, time.monotonic()):
                     await asyncio.sleep(0)  # let the log's last write land before the drain
                     await self._stream_log(poller)
-                    await self._let_lines_reach_the_log()
+                    await self._hold_the_event()
                     yield self._event(TERMINAL, outcome=outcome.value, record=record,
                                       **await self._outputs(poller, outcome))
                     return
         finally:
             poller.unwatch(self.job_id)
 
-    async def _let_lines_reach_the_log(self) -> None:
-        """Wait until FINAL_LOG_GRACE_S have passed since the last streamed line, so that
-        Airflow files it in the task's trigger log before it learns the trigger finished."""
-        if self._last_line_at is not None:
-            left = FINAL_LOG_GRACE_S - (time.monotonic() - self._last_line_at)
-            if left > 0:
-                await asyncio.sleep(left)
+    async def _hold_the_event(self) -> None:
+        """Wait until the event is safe to send: FINAL_LOG_GRACE_S after the last streamed
+        line (Airflow files it in the task's trigger log before it learns the trigger
+        finished) and DEFER_EXIT_GRACE_S after the trigger began (the deferring worker's exit
+        report has reached the scheduler before the resumed try is queued)."""
+        left = event_delay(time.monotonic(), self._started_at, self._last_line_at)
+        if left > 0:
+            await asyncio.sleep(left)
 
     async def on_kill(self) -> None:
         """The user cleared or failed the deferred task: cancel its job."""

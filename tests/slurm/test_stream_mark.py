@@ -144,13 +144,27 @@ def test_the_event_waits_for_the_last_lines_to_reach_the_trigger_log(tmp_path,
     quiet = _logged(SlurmJobTrigger("slurm_local", "6", log_path=str(log)))
     asyncio.run(quiet._stream_log(LocalPoller()))  # nothing to stream
     monkeypatch.setattr(trigger_module.asyncio, "sleep", sleep)
-    asyncio.run(quiet._let_lines_reach_the_log())
+    asyncio.run(quiet._hold_the_event())
     assert slept == []
     log.write_text("the last line\n")
     asyncio.run(quiet._stream_log(LocalPoller()))
-    asyncio.run(quiet._let_lines_reach_the_log())
+    asyncio.run(quiet._hold_the_event())
     assert len(slept) == 1 and 0 < slept[0] <= trigger_module.FINAL_LOG_GRACE_S
     assert slept[0] > trigger_module.FINAL_LOG_GRACE_S / 2  # counted from that line
+
+
+def test_no_event_goes_out_before_the_deferring_workers_exit_has_reached_the_scheduler(
+) -> None:
+    """A job over in seconds: its event waits until the trigger has run DEFER_EXIT_GRACE_S
+    (the stale-event race, apache/airflow#72716); a job found ended later waits nothing more,
+    and the log grace still counts from the last line."""
+    from operators.slurm.trigger import DEFER_EXIT_GRACE_S, FINAL_LOG_GRACE_S, event_delay
+
+    assert event_delay(100.0, 97.0, None) == DEFER_EXIT_GRACE_S - 3.0
+    assert event_delay(100.0, 100.0 - DEFER_EXIT_GRACE_S - 60, None) == 0.0
+    assert event_delay(100.0, 100.0 - DEFER_EXIT_GRACE_S - 60, 99.5) == FINAL_LOG_GRACE_S - 0.5
+    assert event_delay(100.0, 99.0, 99.5) == DEFER_EXIT_GRACE_S - 1.0
+    assert event_delay(100.0, None, None) == 0.0
 
 
 def test_an_array_resumes_every_tasks_offset(tmp_path, caplog) -> None:

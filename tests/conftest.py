@@ -20,6 +20,7 @@ import pytest
 
 from tests.support import cluster, tiers
 from tests.support.airflow import SESSION_PORT, SESSION_PORT_ENV, Standalone, airflow_env, migrate
+from tests.support.fault_nodes import FaultNodes, the_fault_nodes
 from tests.support.mlflow_server import BUCKET, MlflowServer, MotoS3, TrackingStack
 
 pytest_plugins = ["pytester"]  # tests/test_tiers.py runs these hooks on a small suite
@@ -110,6 +111,12 @@ def dags_test_env(local_cluster, tmp_path_factory) -> dict[str, str]:
     env = airflow_env(home, DAGS, port=18090)
     migrate(env)
     return env
+
+
+@pytest.fixture(scope="module")
+def fault_nodes(local_cluster) -> FaultNodes:
+    """The ``faults`` partition's nodes (tests/support/fault_nodes.py)."""
+    return the_fault_nodes()
 
 
 @pytest.fixture(scope="session")

@@ -75,6 +75,7 @@ ON_SHARED_NODES = ("-m", f"not {DISRUPTIVE} and not {FAULT_NODES}")
 # node is declared down SlurmdTimeout after its last answer) ran alone in phase 2 until they
 # had nodes of their own.
 FAULT_NODES_LANE = "faults"
+FAULT_NODES_AIRFLOW_PORT = 18380  # its stories under a real triggerer (log servers +10000, +10001)
 TESTS_DIR = Path(__file__).parent
 
 
@@ -105,7 +106,7 @@ def the_rest(taken: tuple[str, ...], own: tuple[str, ...] = ()) -> tuple[str, ..
 
 
 PHASE_1 = (Lane(FAULT_NODES_LANE, ("tests", "-m", f"{FAULT_NODES} and not {DISRUPTIVE}"),
-                durations=5),
+                durations=5, airflow_port=FAULT_NODES_AIRFLOW_PORT),
            Lane("stack", (*taking(STACK_LANE_TESTS, (*LANE_A_TESTS, *LANE_B_TESTS)),
                           *ON_SHARED_NODES), durations=10),
            Lane("main-b", (*the_rest((*STACK_LANE_TESTS, *LANE_A_TESTS), LANE_B_TESTS),

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
@@ -26,51 +24,21 @@ import pytest
 
 from operators.campaign.render.layout import Layout
 from operators.slurm.trigger import WATCH_LOG_MARK
-from tests.dags.hang_watchdog import CAMPAIGNS, DATA, HANG_TIMEOUT_MIN, PREFIX, TRAIN_ITERS
+from tests.dags.hang_watchdog import CAMPAIGNS, HANG_TIMEOUT_MIN, PREFIX, TRAIN_ITERS
 from tests.support import cluster
+from tests.support.trainer import lay_out_segment_campaigns
 
 pytestmark = [pytest.mark.cluster, pytest.mark.airflow]
 
 HANG_AT = 6
 LAST_SAVE_BEFORE = 4  # save_interval 4
 TASK = "segment_1"
-VOCAB = 256  # tests/trainer/synthetic_data.py's ids; EOD 0
-
-
-def _tokenizer(directory: Path) -> None:
-    """A word-level tokenizer over the synthetic dataset's 256 ids, EOD (EOS) 0: what the
-    reference trainer reads its vocabulary size and EOD from (AutoTokenizer)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    vocab = {"<eod>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<eod>"))
-    tokenizer.pre_tokenizer = WhitespaceSplit()
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eod>",
-         "unk_token": "<eod>"}))
 
 
 def _lay_out() -> None:
-    from tests.trainer.synthetic_data import write_dataset
-
-    shutil.rmtree(DATA, ignore_errors=True)
-    Path(DATA).mkdir(parents=True)
-    write_dataset(Path(PREFIX))
-    _tokenizer(Path(DATA) / "tokenizer")
-    for name, campaign in CAMPAIGNS.items():
-        layout = Layout.for_campaign(campaign)
-        shutil.rmtree(layout.campaign_dir, ignore_errors=True)
-        shutil.copytree(Path(DATA) / "tokenizer", layout.tokenizer)
-        Path(layout.checkpoints).mkdir(parents=True)
-        signals = name.endswith("_term")
-        Path(layout.checkpoints, ".reference-faults.json").write_text(json.dumps(
-            {"hang": {"at_iteration": HANG_AT, "signals": signals}}))
-        subprocess.run(["chown", "-R", "pretrain:pretrain", layout.campaign_dir], check=True)
-    subprocess.run(["chown", "-R", "pretrain:pretrain", DATA], check=True)
+    lay_out_segment_campaigns(Path(PREFIX), [
+        (campaign, {"hang": {"at_iteration": HANG_AT, "signals": name.endswith("_term")}})
+        for name, campaign in CAMPAIGNS.items()])
 
 
 def _finding(log: str) -> dict:

@@ -24,7 +24,7 @@ PURE = "pure"
 DISRUPTIVE = "disruptive"
 DISRUPTIVE_CALLS = frozenset({
     "restart_cluster_services", "stop_slurmdbd", "drop_sshd", "login_banner",
-    "set_node_state", "cut_node_link",
+    "set_node_state", "cut_node_link", "set_node_down",
 })
 # A lesser hazard: the test sets down or cuts off only the nodes of the cluster's ``faults``
 # partition, which nothing else uses (tests/support/cluster.py: FAULT_PARTITION). ``make test``

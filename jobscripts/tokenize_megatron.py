@@ -192,7 +192,7 @@ def facts_of(vocab_size: int, eod: int, encoder: str) -> dict:
             "encoder": encoder}  # fmt: skip
 
 
-def fast_start(todo, tokenizer_dir: Path, sample: list, args, progress) -> tuple | None:
+def fast_start(todo, tokenizer_dir: Path, args, progress) -> tuple | None:
     """Tokenize with tiktoken at once while a forked child checks it; None if it is rejected."""
     if args.legacy_tokenizer or args.encoder not in ("auto", "tiktoken"):
         return None  # the legacy BOS wrapping needs Megatron's tokenizer up front
@@ -204,7 +204,9 @@ def fast_start(todo, tokenizer_dir: Path, sample: list, args, progress) -> tuple
     if eod is None:
         return None  # let the Megatron path report it
     prebuilt = {"tiktoken": encoder.encode}  # the child checks this very encoder
-    check = BackgroundCheck(tokenizer_dir, sample, args.encoder, False, prebuilt)
+    paths = [path for path, _prefix, _identity in todo]
+    check = BackgroundCheck(tokenizer_dir, lambda: verification_sample(paths, args),
+                            args.encoder, False, prebuilt)
     guess = Guess(check, ("tiktoken", vocab_size, eod))
     facts = facts_of(vocab_size, eod, "tiktoken")
     try:
@@ -215,8 +217,9 @@ def fast_start(todo, tokenizer_dir: Path, sample: list, args, progress) -> tuple
     return facts, guess.check.result()["report"], records, progress
 
 
-def checked_start(todo, tokenizer_dir: Path, sample: list, args) -> tuple:
+def checked_start(todo, tokenizer_dir: Path, args) -> tuple:
     """Build Megatron's tokenizer first, pick the encoder, then tokenize (the slow, sure way)."""
+    sample = verification_sample([path for path, _prefix, _identity in todo], args)
     reference = load(tokenizer_dir, legacy=args.legacy_tokenizer)
     if reference.eod is None:
         raise StepError(f"{tokenizer_dir}: the tokenizer has no eos_token, so no EOD to append")
@@ -279,10 +282,9 @@ def encode_pending(entries: list, args: argparse.Namespace) -> tuple[list, list,
     progress, report = Progress(), {}
     if todo:
         import_megatron()
-        sample = verification_sample([p for p, _x, _i in todo], args)
-        fast = fast_start(todo, Path(args.tokenizer), sample, args, progress)
+        fast = fast_start(todo, Path(args.tokenizer), args, progress)
         _facts, report, records, progress = fast or checked_start(
-            todo, Path(args.tokenizer), sample, args)
+            todo, Path(args.tokenizer), args)
         done += records
     return done, todo, report, progress
 

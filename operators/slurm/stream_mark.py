@@ -13,8 +13,11 @@ created for a deferral and that travels in its kwargs: a trigger rebuilt from th
 takeover) has the same token and resumes; the trigger of a later deferral or a retry has a new
 one and streams the job's log from its own offsets into its own task log.
 
-The mark is written after the lines went to the task log: a triggerer killed between the two
-repeats that round's lines (at least once, never a gap).
+The mark is written after the lines were logged: a triggerer killed between the two repeats
+that round's lines. "Logged" is not "in the task log file": Airflow's triggerer hands a
+trigger's lines to its supervisor process over a socket, and a SIGKILL of the triggerer loses
+the lines still on their way (the stack story met it: the mark counted 14 lines, the file had
+9). Those lines stay in the job's own log; what is streamed after the takeover has no gap.
 """
 
 from __future__ import annotations

@@ -268,6 +268,7 @@ def story(stack, local_cluster) -> Story:
         story.killed = stack.triggerer_of(ti)
         # Its poller holds the cluster's SSH connection while the trigger runs.
         story.ssh_before = _ssh(stack, ssh_port)
+        _between_rounds(story)
         stack.kill(story.killed)
         survivor = next(t for t in TRIGGERERS if t != story.killed)
 
@@ -464,11 +465,41 @@ def _streamed(log_dir: Path, job_id: str) -> list[list[str]]:
     return [lines for _, lines in sorted(files, key=lambda f: f[0])]
 
 
+def _segment_1_logs(story: Story) -> Path:
+    return (Path(story.stack.env["PP_STACK_LOGS"]).parent / "airflow" / "logs"
+            / _task_log(DAG_ID, story.run_id, "train.segment_1")).parent
+
+
+def _between_rounds(story: Story) -> None:
+    """Wait until the trigger to be killed has streamed some lines and every line its mark
+    counts is in its task log. A SIGKILL while a round's lines are still on their way to
+    Airflow's triggerer supervisor loses them from the task log (a CI run: the mark counted
+    14 lines, the log had 9); the job's own log keeps them (README "Troubleshooting"). What
+    this story proves is the takeover from the mark."""
+    from operators.slurm.stream_mark import StreamMark, mark_path
+
+    job = story.killed_job
+    log = Path(job["log_path"])
+
+    def caught_up() -> bool:
+        mark_file = Path(mark_path(str(log), job["job_id"]))
+        mark = StreamMark.from_bytes(mark_file.read_bytes()) if mark_file.exists() else None
+        if mark is None or not mark.log_offset:
+            return False
+        marked = log.read_bytes()[:mark.log_offset].decode("utf-8", "replace").splitlines()
+        try:
+            streamed = _streamed(_segment_1_logs(story), job["job_id"])
+        except ValueError:  # a line being written
+            return False
+        return len(streamed) == 1 and len(streamed[0]) == len(marked)
+
+    cluster.wait_for(caught_up, 300, "segment 1's trigger log to catch up with its mark", 0.2)
+
+
 def _takeover_streams(story: Story) -> tuple[list[str], list[str], list[str]]:
     """(the job's log lines, what the killed triggerer streamed, what the survivor did)."""
     job = story.killed_job
-    log_dir = (Path(story.stack.env["PP_STACK_LOGS"]).parent / "airflow" / "logs"
-               / _task_log(DAG_ID, story.run_id, "train.segment_1")).parent
+    log_dir = _segment_1_logs(story)
     streams = _streamed(log_dir, job["job_id"])
     assert len(streams) == 2, f"{len(streams)} trigger logs in {log_dir}"  # both triggerers
     return Path(job["log_path"]).read_text(errors="replace").splitlines(), *streams

@@ -65,14 +65,19 @@ def _reopen(client, run) -> None:
 
 def ensure_campaign_run(client, experiment: str, campaign_name: str,
                         stored_run_id: str | None = None, *, tags: dict | None = None,
-                        artifact_location: str | None = None) -> str:
+                        artifact_location: str | None = None, reopen: bool = True) -> str:
     """The campaign's parent run id: ``stored_run_id`` re-opened (status RUNNING) when that run
     exists, else a new run in ``experiment``. A deleted or unknown stored id starts a new run
-    (logged): its metrics cannot be continued anyway."""
+    (logged): its metrics cannot be continued anyway.
+
+    ``reopen=False`` is for work that logs beside the campaign's DAG run rather than in it (a
+    checkpoint's evaluation, which may end after the DAG run did): the run keeps its status,
+    since nothing would end it again once the campaign's DAG run is over."""
     if stored_run_id:
         run = _existing(client, stored_run_id)
         if run is not None:
-            _reopen(client, run)
+            if reopen:
+                _reopen(client, run)
             return stored_run_id
         log.warning("stored MLflow run %s of campaign %s is gone; starting a new parent run",
                     stored_run_id, campaign_name)

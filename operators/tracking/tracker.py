@@ -91,7 +91,8 @@ class Tracker:
     # -- runs ------------------------------------------------------------------------------
     def campaign_run(self, experiment: str, campaign_name: str, stored_run_id: str | None,
                      tags: Mapping[str, Any] | None = None,
-                     artifact_location: str | None = None) -> str | None:
+                     artifact_location: str | None = None, *,
+                     reopen: bool = True) -> str | None:
         """``runs.ensure_campaign_run`` (artifact location: the connection's by default); the
         stored id unchanged when MLflow is down (None if there was none: nothing is tracked for
         this DAG run then)."""
@@ -99,7 +100,7 @@ class Tracker:
         if artifact_location is None and settings is not None:
             artifact_location = settings.artifact_location
         kwargs = {"tags": params.clean_tags(tags or {}, self._secrets),
-                  "artifact_location": artifact_location}
+                  "artifact_location": artifact_location, "reopen": reopen}
         if not self._up():
             log.warning("MLflow down: campaign %s continues without re-opening its run",
                         campaign_name)

@@ -145,6 +145,13 @@ def test_figures_on_the_campaign_run_at_each_checkpoint_iteration(parent) -> Non
         assert by_step[iteration] == pytest.approx(result["bits_per_byte"])
 
 
+def test_the_campaign_run_stays_finished_after_its_evaluations(parent) -> None:
+    """The listener ended it with the DAG run; evaluations logged after that must not have
+    re-opened it (the demo's run was left RUNNING that way)."""
+    client, run_id = parent
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
 def test_final_evaluate_reuses_the_last_checkpoints_evaluation(story) -> None:
     summary = story["af"].xcom(DAG_ID, story["run_id"], "evaluate")
     assert summary["reused"] == eval_result_path(LAYOUT, CHECKPOINTS[-1])

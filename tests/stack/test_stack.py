@@ -592,10 +592,11 @@ def test_what_worker_a_spooled_worker_b_flushes(stack) -> None:
     client = make_client(tracking_settings(live))
     experiment = (client.get_experiment_by_name("stack_spool_test")
                   or client.get_experiment(client.create_experiment("stack_spool_test")))
-    run_id = client.create_run(experiment.experiment_id).info.run_id
+    run_id = client.create_run(experiment.experiment_id, run_name="spooled by A").info.run_id
     down = stack.mlflow_connection()
     down.port = free_port()  # nothing listens there
     assert _as_worker(stack, "worker-1", down, "log", run_id) == "1"  # one op spooled
     assert client.get_metric_history(run_id, "spooled_by_a") == []
     assert _as_worker(stack, "worker-2", live, "flush") == "1"
     assert [m.value for m in client.get_metric_history(run_id, "spooled_by_a")] == [1.0]
+    client.set_terminated(run_id)  # not left RUNNING in the stack's MLflow

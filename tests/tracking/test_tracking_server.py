@@ -45,6 +45,18 @@ def test_parent_run_is_reused_across_dag_runs(client, experiment, settings):
     assert fresh != first
 
 
+def test_work_beside_the_dag_run_leaves_the_parent_ended(client, experiment):
+    """A checkpoint's evaluation that ends after the campaign's DAG run logs to the parent
+    without re-opening it: nothing would set it FINISHED again."""
+    parent = runs.ensure_campaign_run(client, experiment, "demo", None)
+    runs.finish_run(client, parent)  # the DAG run ended (the listener)
+    assert runs.ensure_campaign_run(client, experiment, "demo", parent, reopen=False) == parent
+    client.log_metric(parent, "eval_bits_per_byte", 3.7, step=60)
+    run = client.get_run(parent)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["eval_bits_per_byte"] == 3.7
+
+
 def test_child_run_is_idempotent_by_key(client, experiment):
     parent = runs.ensure_campaign_run(client, experiment, "demo", None)
     key = "scheduled__2025-01-01:train_segment_1:1"

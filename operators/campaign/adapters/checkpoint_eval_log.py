@@ -52,7 +52,9 @@ def log_checkpoint_evals(campaign: Campaign, hook: SlurmHook, layout: Layout,
     if tracker is None:
         return
     tracker.flush()
-    parent = tracking.campaign_run(tracker, campaign, hook, layout)
+    # Not re-opened: this evaluation may end after the campaign's DAG run, whose end (the
+    # listener) is the only thing that sets the run FINISHED (seen: the demo's run left RUNNING).
+    parent = tracking.campaign_run(tracker, campaign, hook, layout, reopen=False)
     child = tracking._task_child(tracker, parent, context["ti"],  # noqa: SLF001 - same family
                                  {names.KIND_TAG: names.STAGE_KIND, names.STAGE_TAG: STAGE})
     result = summary.result or {}

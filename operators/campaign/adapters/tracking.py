@@ -58,11 +58,12 @@ def experiment_name(campaign: Campaign, tracker: Tracker) -> str:
 
 
 def campaign_run(tracker: Tracker, campaign: Campaign, hook: SlurmHook,
-                 layout: Layout) -> str | None:
-    """The campaign's parent run id, created on first use and stored on the cluster."""
+                 layout: Layout, *, reopen: bool = True) -> str | None:
+    """The campaign's parent run id, created on first use and stored on the cluster;
+    ``reopen``: as ``runs.ensure_campaign_run``'s."""
     stored = (read_text(hook, layout.mlflow_run_id) or "").strip() or None
     run_id = tracker.campaign_run(experiment_name(campaign, tracker), campaign.name, stored,
-                                  tags={names.CAMPAIGN_TAG: campaign.name})
+                                  tags={names.CAMPAIGN_TAG: campaign.name}, reopen=reopen)
     if run_id and run_id != stored:
         write_file(hook, layout.mlflow_run_id, run_id)
         tracker.log_params(run_id, campaign.model_dump(mode="json"))

@@ -10,7 +10,9 @@ each of its runs starts).
 
 The components, in seconds (node-seconds where the name says so):
 
-    allocated_node_s  (End - Start) x nodes of every run of every segment job
+    span_node_s       the campaign's node time: its first segment job's Start to its last
+                      one's End, x nodes (the allocations plus the gaps between them)
+    allocated_node_s  (End - Start) x nodes of every run of every segment job, failed ones too
     train_s           time in training steps of iterations that were kept
     redone_s          time in steps of iterations that were trained again later (work lost
                       to a failure between two saves)
@@ -20,12 +22,17 @@ The components, in seconds (node-seconds where the name says so):
     queue_s           Submit -> Start (sacct), plus a requeued run's wait for its restart
     gap_s             one segment job's End to the next one's Start (Airflow's turn-around
                       plus the next queue wait: it overlaps queue_s)
-    hang_s            always 0: nothing in these records tells a hung job from a slow one
-                      (a job that hangs runs to its time limit like one that trains)
+    hang_s            a job the hang watchdog stopped: its last step line to its End (the
+                      whole run when it hung before its first step; then it overlaps
+                      startup_s). A hang nothing stopped cannot be told from a slow job.
 
-``goodput`` = train_s x nodes / allocated_node_s. Times in the log and in sacct are the
-cluster's wall clock without a zone (sacct prints local time; on the local cluster, UTC);
-the restart line's time is UTC.
+``goodput`` = train_s x nodes / span_node_s: the share of the campaign's node time that
+trained, Llama 3's "effective training time". The gaps between segments are in it, since the
+campaign holds (or waits for) its nodes through them: they are what pre-queueing removes.
+``goodput_in_jobs`` = train_s x nodes / allocated_node_s: the share of what the segment jobs
+themselves held, which no gap changes. Times in the log and in sacct are the cluster's wall
+clock without a zone (sacct prints local time; on the local cluster, UTC); the restart
+line's time is UTC.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from itertools import pairwise
 
@@ -63,6 +70,7 @@ class Run:
     start: datetime | None
     end: datetime | None
     first_step_at: datetime | None  # when the first step began (its line's time - its time)
+    last_step_at: datetime | None  # the last iteration line's time: the last progress seen
     steps: tuple[Step, ...]
     save_s: float
     load_s: float
@@ -76,6 +84,8 @@ class SegmentJob:
     nodes: int
     runs: tuple[Run, ...]
     failed: bool  # the job (last run) did not end in COMPLETED
+    segment: int | None = None  # the campaign's segment number; None: its place in the order
+    hung: bool = False  # the hang watchdog stopped it
 
     @property
     def start(self) -> datetime | None:
@@ -96,8 +106,9 @@ class SegmentJob:
 
 @dataclass(frozen=True)
 class Goodput:
-    segments: int
+    segments: int  # segment jobs, failed ones included
     runs: int  # runs of all segment jobs: more than segments when Slurm requeued one
+    span_node_s: float
     allocated_node_s: float
     train_s: float
     redone_s: float
@@ -110,7 +121,8 @@ class Goodput:
     hang_s: float
     iterations_trained: int
     iterations_redone: int
-    goodput: float | None  # None without allocated time
+    goodput: float | None  # train over span; None without allocated time
+    goodput_in_jobs: float | None  # train over allocated
 
     def components(self) -> dict[str, float]:
         """The figures as name -> number, for MLflow and tables (None left out)."""
@@ -164,7 +176,9 @@ def _run(lines: list[str], start: datetime | None, end: datetime | None) -> Run:
             steps += [Step(i, each) for i in range(base + 1, record.iteration + 1)]
             previous = record.iteration
     first = datetime.fromtimestamp(first_at) if first_at is not None else None
-    return Run(start, end, first, tuple(steps), save_ms / 1000.0, load_ms / 1000.0, resumed)
+    last = _clock(clocks[-1].group(1)) if clocks and steps else None
+    return Run(start, end, first, last, tuple(steps), save_ms / 1000.0, load_ms / 1000.0,
+               resumed)
 
 
 def _run_end(lines: list[str]) -> datetime | None:
@@ -177,10 +191,11 @@ def _run_end(lines: list[str]) -> datetime | None:
 
 
 def segment_job(record: JobRecord, log_lines: Iterable[str], nodes: int,
-                reported_load_s: float | None = None) -> SegmentJob:
+                reported_load_s: float | None = None, *, segment: int | None = None,
+                hung: bool = False) -> SegmentJob:
     """A segment job from its sacct row and its log. ``reported_load_s``: the load time the
     trainer wrote in ``segment.json`` (the reference trainer prints no load timer line), used
-    for the last run when its log has none."""
+    for the last run when its log has none; ``hung``: the hang watchdog stopped it."""
     chunks = _split_runs(log_lines)
     runs: list[Run] = []
     for index, lines in enumerate(chunks):
@@ -189,11 +204,10 @@ def segment_job(record: JobRecord, log_lines: Iterable[str], nodes: int,
         start = record.start if last else _naive_utc(_clock(marker.group(2)) if marker else None)
         run = _run(lines, start, record.end if last else _run_end(lines))
         if last and run.load_s == 0 and reported_load_s:
-            run = Run(run.start, run.end, run.first_step_at, run.steps, run.save_s,
-                      float(reported_load_s), run.resumed_from)
+            run = replace(run, load_s=float(reported_load_s))
         runs.append(run)
     return SegmentJob(record.job_id, record.submit, nodes, tuple(runs),
-                      failed=record.state != "COMPLETED")
+                      failed=record.state != "COMPLETED" or hung, segment=segment, hung=hung)
 
 
 def _seconds(a: datetime | None, b: datetime | None) -> float:
@@ -201,8 +215,14 @@ def _seconds(a: datetime | None, b: datetime | None) -> float:
 
 
 def ordered(jobs: Iterable[SegmentJob]) -> list[SegmentJob]:
-    """Segment jobs in the order they ran; their 1-based positions are the segment numbers."""
+    """Segment jobs in the order they ran."""
     return sorted(jobs, key=lambda j: (j.start or j.submit or datetime.min))
+
+
+def numbered(jobs: Iterable[SegmentJob]) -> list[tuple[int, SegmentJob]]:
+    """Each job in the order they ran with its segment number: the job's own, else its place
+    (a failed job and its retry share one)."""
+    return [(job.segment or position, job) for position, job in enumerate(ordered(jobs), 1)]
 
 
 def compute(jobs: Sequence[SegmentJob]) -> Goodput:
@@ -221,20 +241,29 @@ def compute(jobs: Sequence[SegmentJob]) -> Goodput:
         else:
             redone += step.seconds * job.nodes
     allocated = sum(_seconds(r.start, r.end) * j.nodes for j, r in runs)
+    starts = [r.start for _, r in runs if r.start is not None]
+    ends = [r.end for _, r in runs if r.end is not None]
+    # Segment jobs run one after another (a pre-queued one waits on its predecessor), so the
+    # span covers the allocations; max() keeps it honest if they ever overlapped.
+    span = max(allocated, _seconds(min(starts), max(ends)) * max(j.nodes for j in jobs)
+               if starts and ends else 0.0)
+    hang = sum(_seconds(job.runs[-1].last_step_at or job.runs[-1].start, job.runs[-1].end)
+               * job.nodes for job in jobs if job.hung and job.runs)
     startup = sum(_seconds(r.start, r.first_step_at or r.end) * j.nodes for j, r in runs)
     queue = sum(_seconds(j.first_submit, j.start) for j in jobs)
     for job in jobs:  # a requeued run waited again between its predecessor's end and its start
         queue += sum(_seconds(a.end, b.start) for a, b in pairwise(job.runs))
     gaps = [_seconds(a.end, b.start) for a, b in pairwise(jobs)]
     return Goodput(
-        segments=len(jobs), runs=len(runs), allocated_node_s=allocated,
+        segments=len(jobs), runs=len(runs), span_node_s=span, allocated_node_s=allocated,
         train_s=train, redone_s=redone, startup_s=startup,
         save_s=sum(r.save_s * j.nodes for j, r in runs),
         load_s=sum(r.load_s * j.nodes for j, r in runs),
         queue_s=queue, gap_s=sum(gaps),
-        gap_median_s=statistics.median(gaps) if gaps else None, hang_s=0.0,
+        gap_median_s=statistics.median(gaps) if gaps else None, hang_s=hang,
         iterations_trained=len(last_seen), iterations_redone=len(order) - len(last_seen),
-        goodput=train / allocated if allocated > 0 else None)
+        goodput=train / span if span > 0 else None,
+        goodput_in_jobs=train / allocated if allocated > 0 else None)
 
 
 @dataclass(frozen=True)
@@ -255,8 +284,7 @@ def timeline(jobs: Sequence[SegmentJob]) -> list[Span]:
     """The bars of the timeline plot: queue wait, start-up, training (with the saves in it
     drawn at the run's end, where the final save is) and runs that failed or were requeued."""
     spans: list[Span] = []
-    jobs = ordered(jobs)
-    for number, job in enumerate(jobs, 1):
+    for number, job in numbered(jobs):
         if job.first_submit is not None:
             spans.append(Span(number, QUEUE, job.first_submit, job.start))
         for before, after in pairwise(job.runs):  # waiting for the requeued run

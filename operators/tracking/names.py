@@ -28,7 +28,7 @@ EXPORT_KIND = "export"
 TRAIN_STAGE = "train"  # pp.stage of every training segment's child run
 
 # --- Goodput metrics on the campaign's run (operators/tracking/goodput.py) ---
-GOODPUT = "goodput"  # training-step time / allocated time, step = the campaign's iteration
+GOODPUT = "goodput"  # training-step time / the campaign's node time, step = its iteration
 GOODPUT_PREFIX = "goodput_"  # + a Goodput field: each component (train_s, queue_s ...)
 # The segments' timeline, one span per step (0, 1, ...): which segment, what kind (an index
 # into goodput.SPAN_KINDS), and its start and end (Unix seconds).
@@ -41,7 +41,7 @@ RESUMED_FROM = "segment_resumed_from"  # step = segment number: the iteration it
 
 def goodput_metric(field: str) -> str:
     """The metric name of a ``Goodput`` field."""
-    return GOODPUT if field == GOODPUT else GOODPUT_PREFIX + field
+    return field if field.startswith(GOODPUT) else GOODPUT_PREFIX + field
 
 
 # --- The DAG side ---

@@ -15,11 +15,14 @@ records and job logs, as the campaign's register step does. Prints one JSON line
 "startup_s": X, "goodput_serial": X, "goodput_prequeued": X, "hang_detect_s": X,
 "hang_timeout_s": X, ...}``: a gap is one segment job's sacct End to the next one's Start
 (median), start-up a job's Start to its first training step (median over both runs), reported
-apart; goodput = training-step time / allocated time. Then one injected hang: a third
+apart; goodput = training-step time / the campaign's node time (its first segment job's
+Start to its last one's End: the gaps count), ``goodput_in_jobs_*`` the same over the jobs'
+own allocations (operators/tracking/goodput.py). Then one injected hang: a third
 campaign (one segment, ``hang_timeout_min: 0.2``, one retry) whose reference trainer hangs
 after iteration 3 (the test-only fault, jobscripts/trainer_faults.py); ``hang_detect_s`` is
 that iteration's log time to the watchdog's finding (the trigger's log-watch line in the
-task log), ``hang_timeout_s`` the timeout the finding names (docs/log-watch.md).
+task log), ``hang_timeout_s`` the timeout the finding names (docs/log-watch.md), and
+``hang_lost_s`` the hang time goodput counts (the hung job's last step line to its end).
 
 Issue 19 asks that evaluating every checkpoint leave the segments' timing unchanged: a third
 run, the pre-queued campaign again with ``health.evaluate_checkpoints`` (its evaluation DAG
@@ -128,19 +131,22 @@ def wait_evaluations(doc: dict, timeout: float = 1200) -> int:
 
 
 def figures(name: str) -> dict:
-    from operators.slurm.parse import JobRecord
+    from operators.campaign.adapters.goodput_log import job_entries, jobs_of
     from operators.tracking import goodput
 
-    jobs = [goodput.segment_job(JobRecord.from_json(r["slurm"]),
-                                Path(r["log_path"]).read_text(errors="replace").splitlines(),
-                                1, r.get("load_seconds")) for r in segment_records(ROOT, name)]
+    failed = ROOT / "campaigns" / name / "failed_segments.jsonl"
+    failed = [json.loads(x) for x in failed.read_text().splitlines()] if failed.exists() else []
+    jobs = jobs_of(job_entries(segment_records(ROOT, name), failed),
+                   lambda path: Path(path).read_text(errors="replace"), 1)
     result = goodput.compute(jobs)
     startups = [(run.first_step_at - run.start).total_seconds() for job in jobs
                 for run in job.runs if run.first_step_at and run.start]
     return {"segments": result.segments, "gap_s": result.gap_median_s, "startups": startups,
             "goodput": round(result.goodput, 4) if result.goodput is not None else None,
+            "goodput_in_jobs": (round(result.goodput_in_jobs, 4)
+                                if result.goodput_in_jobs is not None else None),
             "allocated_node_s": result.allocated_node_s, "train_s": round(result.train_s, 2),
-            "iterations_redone": result.iterations_redone}
+            "hang_s": result.hang_s, "iterations_redone": result.iterations_redone}
 
 
 def main() -> dict:
@@ -200,7 +206,9 @@ def main() -> dict:
         "serial_gap_s": serial["gap_s"], "prequeued_gap_s": prequeued["gap_s"],
         "startup_s": round(statistics.median(startups), 2) if startups else None,
         "goodput_serial": serial["goodput"], "goodput_prequeued": prequeued["goodput"],
-        **hung,
+        **hung, "hang_lost_s": figures(HANG)["hang_s"] if state == "success" else None,
+        "goodput_in_jobs_serial": serial["goodput_in_jobs"],
+        "goodput_in_jobs_prequeued": prequeued["goodput_in_jobs"],
         "campaign_wall_serial_s": walls["serial"], "campaign_wall_prequeued_s": walls["prequeued"],
         "train_s_serial": serial["train_s"], "train_s_prequeued": prequeued["train_s"],
         "iterations_redone": serial["iterations_redone"] + prequeued["iterations_redone"],

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from operators.campaign.adapters.goodput_log import job_entries, jobs_of
 from operators.campaign.render.layout import Layout
 from operators.slurm.trigger import WATCH_LOG_MARK
+from operators.tracking import goodput
 from tests.dags.hang_watchdog import CAMPAIGNS, HANG_TIMEOUT_MIN, PREFIX, TRAIN_ITERS
 from tests.support import cluster
 from tests.support.trainer import lay_out_segment_campaigns
@@ -45,6 +47,12 @@ def _finding(log: str) -> dict:
     lines = [line for line in log.splitlines() if WATCH_LOG_MARK in line]
     assert len(lines) == 1, log[-4000:]
     return json.loads(lines[0].split(WATCH_LOG_MARK, 1)[1])
+
+
+def _records(path: str) -> list[dict]:
+    file = Path(path)
+    return [json.loads(x) for x in file.read_text().splitlines() if x.strip()] \
+        if file.exists() else []
 
 
 def _hang_started(job_log: str) -> float:
@@ -102,6 +110,19 @@ def test_a_hang_is_stopped_and_the_retry_resumes_from_the_checkpoint(standalone,
                      second), second[-3000:]
     tracker = Path(layout.checkpoints, "latest_checkpointed_iteration.txt").read_text().strip()
     assert tracker == str(TRAIN_ITERS)
+    # goodput counts the hung job: its allocation, its hang (from its last step line to its
+    # end) and the iterations its retry trained again
+    failed = _records(layout.failed_segments_log)
+    assert [(e["slurm"]["job_id"], e["hung"], e["segment"]) for e in failed] == [
+        (job_id, True, 1)]
+    jobs = jobs_of(job_entries(_records(layout.segments_log), failed),
+                   lambda path: Path(path).read_text(errors="replace"), 1)
+    figures = goodput.compute(jobs)
+    ended = cluster.sacct_field(job_id, "End")
+    assert figures.segments == 2 and figures.iterations_redone == HANG_AT - resumed_from
+    assert figures.hang_s == pytest.approx(
+        (datetime.fromisoformat(ended) - datetime.fromtimestamp(_hang_started(job_log)))
+        .total_seconds(), abs=1.0)
     detect_s = finding["at"] - _hang_started(job_log)
     figures = {"campaign": name, "hang_detect_s": round(detect_s, 1),
                "hang_timeout_s": finding["detail"]["timeout_s"],

@@ -12,6 +12,7 @@ jobscripts/megatron_log.py, the reference trainer's own printers of Megatron Bri
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -50,7 +51,11 @@ def test_recorded_campaign_accounts_for_every_second_of_its_jobs() -> None:
                for x in (RUN / name).read_text().splitlines() if "elapsed time per" in x]
     assert len(elapsed) == 30
     assert figures.train_s == pytest.approx(sum(elapsed) / 1000)
-    assert figures.goodput == pytest.approx(figures.train_s / 90)
+    assert figures.goodput_in_jobs == pytest.approx(figures.train_s / 90)
+    # The campaign's node time: 246's Start (12:28:22) to 249's End (12:31:26), the 90 s the
+    # jobs held plus the gaps between them (33 + 44 s) and 249's wait for its restart (17 s).
+    assert figures.span_node_s == 184 == 90 + 33 + 44 + 17
+    assert figures.goodput == pytest.approx(figures.train_s / 184)
     # queue: 247 waited 1 s (Submit 12:29:20, Start 12:29:21); 249's requeued run waited
     # from the cancel (12:30:49) to its restart (12:31:06); 249's own first wait is lost
     # (the requeue set Submit anew), 246 started at once.
@@ -114,7 +119,10 @@ def test_iterations_trained_twice_are_lost_work() -> None:
     assert figures.redone_s == 2 * 1.0 * 2  # two 1 s steps on two nodes
     assert figures.train_s == 10 * 1.0 * 2
     assert figures.allocated_node_s == (50 + 60) * 2
-    assert figures.goodput == pytest.approx(20 / 220)
+    assert figures.goodput_in_jobs == pytest.approx(20 / 220)
+    # 10:00:10 to 10:02:30 on two nodes: the 30 s between the jobs count against it
+    assert figures.span_node_s == 140 * 2
+    assert figures.goodput == pytest.approx(20 / 280)
     assert figures.save_s == 2 * 2.0 * 2 and figures.load_s == 3.0 * 2
     assert figures.queue_s == 10 + 10 and figures.gap_s == 30
     # first step of job 10: its line at 10:00:31 minus its 1 s: 20 s after the 10:00:10 start
@@ -150,3 +158,63 @@ def test_a_logging_interval_spreads_its_mean_step_time_over_its_iterations() -> 
     assert goodput.compute([job]).train_s == 4 * 0.5
     # the first step began two 0.5 s steps before the first line
     assert job.runs[0].first_step_at == datetime(2026, 12, 1, 10, 0, 29)
+
+
+def _chain(gap_s: int) -> list[goodput.SegmentJob]:
+    """Three 60 s segment jobs, each training 10 1-s steps, ``gap_s`` apart."""
+    jobs = []
+    for n in range(3):
+        start = datetime(2026, 12, 1, 10, 0, 0).timestamp() + n * (60 + gap_s)
+        at = [datetime.fromtimestamp(start + k).isoformat(timespec="seconds")
+              for k in (0, 60)]
+        rows = read_sacct(_sacct_row(20 + n, "COMPLETED", at[0], at[0], at[1])).records
+        steps = [_train(10 * n + i, at[0].replace("T", " ")) for i in range(1, 11)]
+        jobs.append(goodput.segment_job(rows[str(20 + n)], _job_log(at[0], steps), nodes=1))
+    return jobs
+
+
+def test_the_gaps_between_segments_lower_goodput_and_nothing_else_does() -> None:
+    """What pre-queueing removes (the gaps) shows in ``goodput``, not in ``goodput_in_jobs``."""
+    serial, prequeued = goodput.compute(_chain(12)), goodput.compute(_chain(0))
+    assert serial.goodput_in_jobs == prequeued.goodput_in_jobs == pytest.approx(30 / 180)
+    assert prequeued.goodput == pytest.approx(30 / 180)
+    assert serial.goodput == pytest.approx(30 / (180 + 2 * 12))
+    assert serial.gap_median_s == 12 and prequeued.gap_median_s == 0
+
+
+def test_a_job_the_watchdog_stopped_counts_from_its_last_step_as_hang() -> None:
+    """Job 30 trains to 3 (last line 10:00:33), hangs, is stopped at 10:01:00: 27 s hung; its
+    retry resumes. The hung job is its segment's failure in the timeline."""
+    rows = read_sacct("\n".join([
+        _sacct_row(30, "CANCELLED", "2026-12-01T10:00:00", "2026-12-01T10:00:10",
+                   "2026-12-01T10:01:00"),
+        _sacct_row(31, "COMPLETED", "2026-12-01T10:01:05", "2026-12-01T10:01:05",
+                   "2026-12-01T10:01:40")])).records
+    hung = goodput.segment_job(rows["30"], _job_log("2026-12-01T10:00:10", [
+        _train(i, f"2026-12-01 10:00:{30 + i:02d}") for i in (1, 2, 3)]), nodes=2,
+        segment=1, hung=True)
+    retry = goodput.segment_job(rows["31"], _job_log("2026-12-01T10:01:05", [
+        _train(i, f"2026-12-01 10:01:{20 + i:02d}") for i in (1, 2, 3, 4)]), nodes=2,
+        segment=1)
+    assert hung.runs[0].last_step_at == datetime(2026, 12, 1, 10, 0, 33)
+    figures = goodput.compute([retry, hung])
+    assert figures.hang_s == 27 * 2
+    assert figures.iterations_redone == 3 and figures.segments == 2
+    assert [n for n, _ in goodput.numbered([retry, hung])] == [1, 1]
+    assert {(s.segment, s.kind) for s in goodput.timeline([hung, retry])} >= {
+        (1, goodput.FAILED), (1, goodput.TRAINING)}
+    # the same job not flagged: a slow job, no hang time
+    assert goodput.compute([replace(hung, hung=False), retry]).hang_s == 0
+
+
+def test_a_job_recorded_twice_counts_once_and_its_finished_record_wins() -> None:
+    from operators.campaign.adapters.goodput_log import job_entries
+
+    finished = [{"slurm": {"job_id": "7"}, "log_path": "/l/7", "end_iteration": 10}]
+    failed = [{"slurm": {"job_id": "6"}, "log_path": "/l/6", "hung": True},
+              {"slurm": {"job_id": "6"}, "log_path": "/l/6", "hung": True},  # re-attached
+              {"slurm": {"job_id": "7"}, "log_path": "/l/7"},
+              {"slurm": None, "log_path": "/l/8"}]  # never submitted: nothing to count
+    entries = job_entries(finished, failed)
+    assert sorted(e["slurm"]["job_id"] for e in entries) == ["6", "7"]
+    assert [e for e in entries if e["slurm"]["job_id"] == "7"] == finished

@@ -32,17 +32,26 @@ def write_file(hook: SlurmHook, path: str, content: str) -> None:
     hook.upload(posixpath.dirname(path), {posixpath.basename(path): content})
 
 
-def read_history(hook: SlurmHook, layout: Layout) -> list[dict[str, Any]]:
-    """Finished segments of the campaign, oldest first (``segments.jsonl``)."""
-    text = read_text(hook, layout.segments_log) or ""
+def read_records(hook: SlurmHook, path: str) -> list[dict[str, Any]]:
+    """The JSON lines of ``path``, oldest first; none when it is not there."""
+    text = read_text(hook, path) or ""
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def append_history(hook: SlurmHook, layout: Layout, entry: dict[str, Any]) -> None:
+def append_record(hook: SlurmHook, path: str, entry: dict[str, Any]) -> None:
     # Read-modify-write is enough: max_active_runs=1 and segments run one at a time.
-    lines = (read_text(hook, layout.segments_log) or "").splitlines()
+    lines = (read_text(hook, path) or "").splitlines()
     lines.append(json.dumps(entry, sort_keys=True))
-    write_file(hook, layout.segments_log, "\n".join(lines) + "\n")
+    write_file(hook, path, "\n".join(lines) + "\n")
+
+
+def read_history(hook: SlurmHook, layout: Layout) -> list[dict[str, Any]]:
+    """Finished segments of the campaign, oldest first (``segments.jsonl``)."""
+    return read_records(hook, layout.segments_log)
+
+
+def append_history(hook: SlurmHook, layout: Layout, entry: dict[str, Any]) -> None:
+    append_record(hook, layout.segments_log, entry)
 
 
 def missing_files(hook: SlurmHook, paths: list[str]) -> list[str]:

@@ -271,6 +271,28 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
             self.log.warning("cancelled pre-queued segment %s (job %s): %s", job["segment"],
                              job["job_id"], why)
 
+    def _job_entry(self, context: Context, summary: JobSummary) -> dict[str, Any]:
+        """What goodput needs of a segment job (goodput_log.py reads it back)."""
+        return {"slurm": summary.record.to_json(), "run_dir": summary.run_dir,
+                "log_path": summary.log_path, "run_id": context["ti"].run_id,
+                "task_id": self.task_id, "segment": self.segment}
+
+    def _record_failed_job(self, context: Context, summary: JobSummary) -> None:
+        """A failed segment job's allocation and lost work still count against the campaign's
+        goodput: recorded apart from ``segments.jsonl`` (what resumes read), marked ``hung``
+        when the hang watchdog stopped it. Never in the way of the failure itself."""
+        from operators.campaign.adapters.remote import append_record
+        from operators.slurm.errors import ClusterUnreachable, SlurmCommandError
+        from operators.tracking.hang import CODE as HANG
+
+        entry = {**self._job_entry(context, summary),
+                 "hung": any(f.code == HANG for f in summary.findings)}
+        try:
+            append_record(self.hook, self._layout().failed_segments_log, entry)
+        except (ClusterUnreachable, SlurmCommandError) as exc:
+            self.log.warning("segment %s: failed job %s not recorded for goodput: %s",
+                             self.segment, summary.job_id, exc)
+
     def _track(self, context: Context, layout: Layout, summary: JobSummary) -> None:
         """MLflow gets the segment; a tracking failure must not fail the training."""
         from operators.campaign.adapters.tracking import track_segment
@@ -293,6 +315,7 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
                    failure: SlurmJobFailed | None) -> None:
         result = summary.result or {}
         if failure is not None:  # neither success nor time limit: the task fails, may retry
+            self._record_failed_job(context, summary)
             if result.get("stop_reason") == PREQUEUE_REFUSED:
                 from jobscripts.segment_gate import EXIT_REFUSED
                 from operators.slurm.errors import SlurmJobFailed
@@ -321,11 +344,7 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
         if end.note:
             self.log.warning("segment %s: %s", self.segment, end.note)
         after = end.iteration
-        append_history(self.hook, layout, {**result, "slurm": summary.record.to_json(),
-                                            "run_dir": summary.run_dir,
-                                            "log_path": summary.log_path,
-                                            "run_id": context["ti"].run_id,
-                                            "task_id": self.task_id})
+        append_history(self.hook, layout, {**result, **self._job_entry(context, summary)})
         self._track(context, layout, summary)
         try:
             advanced = check_progress(before, after)

@@ -14,6 +14,7 @@ stage's prefixes, the trained tokenizer, the shipped code) is paths.py's ``RunIn
     <campaign>/pinned_manifest.json  the manifest segment 1 trained on
     <campaign>/mlflow_run_id       the campaign's MLflow parent run
     <campaign>/segments.jsonl      one line per finished segment (segment.json + Slurm record)
+    <campaign>/failed_segments.jsonl  one line per segment job whose task failed (goodput's)
     <campaign>/export/hf/          Hugging Face export of the final checkpoint
     <campaign>/completed.json      the iteration whose export, evaluation and registration ran
     <campaign>/tensorboard/        one event stream for all segments
@@ -98,6 +99,7 @@ class Layout:
     pinned_manifest = _Under("campaign_dir", "pinned_manifest.json")
     mlflow_run_id = _Under("campaign_dir", "mlflow_run_id")
     segments_log = _Under("campaign_dir", "segments.jsonl")
+    failed_segments_log = _Under("campaign_dir", "failed_segments.jsonl")
     export = _Under("campaign_dir", "export")
     hf_export = _Under("export", "hf")
     completed = _Under("campaign_dir", "completed.json")

@@ -48,9 +48,6 @@ from jobscripts import vocabulary as v
 from operators.slurm.parse import JobRecord
 from operators.tracking import logparse
 
-# Bridge's (and Megatron-LM's) iteration line starts with the wall clock, e.g.
-# " [2026-12-01 12:30:49] iteration       21/      30 | ..." (jobscripts/megatron_log.py).
-_STEP_CLOCK = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]\s+iteration\s+\d+\s*/")
 # The job script's first line (operators/slurm/render.py render_script).
 _RUN_START = re.compile(r"\[pretrain-pipeline\] job \S+ restart (\d+) on \S+ at (\S+Z)")
 # slurmstepd's cancel line carries when a requeued/cancelled run stopped.
@@ -157,7 +154,7 @@ def _run(lines: list[str], start: datetime | None, end: datetime | None) -> Run:
     save_ms = load_ms = 0.0
     resumed = first_at = None
     previous: int | None = None
-    clocks = [c for c in (_STEP_CLOCK.search(x) for x in lines) if c]
+    clocks = [c for c in map(logparse.step_clock, lines) if c is not None]
     for record in logparse.parse_lines(lines):
         if record.kind == v.CHECKPOINT_LOAD:
             resumed = previous = record.iteration
@@ -170,13 +167,11 @@ def _run(lines: list[str], start: datetime | None, end: datetime | None) -> Run:
             base = previous if previous is not None and previous < record.iteration else 0
             each = record.metrics[v.ELAPSED_MS] / 1000.0
             if not steps and clocks:
-                logged_at = _clock(clocks[0].group(1))
-                if logged_at is not None:
-                    first_at = logged_at.timestamp() - each * (record.iteration - base)
+                first_at = clocks[0].timestamp() - each * (record.iteration - base)
             steps += [Step(i, each) for i in range(base + 1, record.iteration + 1)]
             previous = record.iteration
     first = datetime.fromtimestamp(first_at) if first_at is not None else None
-    last = _clock(clocks[-1].group(1)) if clocks and steps else None
+    last = clocks[-1] if clocks and steps else None
     return Run(start, end, first, last, tuple(steps), save_ms / 1000.0, load_ms / 1000.0,
                resumed)
 
@@ -184,9 +179,12 @@ def _run(lines: list[str], start: datetime | None, end: datetime | None) -> Run:
 def _run_end(lines: list[str]) -> datetime | None:
     """When an interrupted run stopped: slurmstepd's cancel time, else its last step line."""
     for line in reversed(lines):
-        match = _CANCELLED_AT.search(line) or _STEP_CLOCK.search(line)
+        match = _CANCELLED_AT.search(line)
         if match:
             return _naive_utc(_clock(match.group(1)))
+        clock = logparse.step_clock(line)
+        if clock is not None:
+            return clock
     return None
 
 

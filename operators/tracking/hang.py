@@ -14,7 +14,11 @@ is not a hang, and may take longer than steps). The timeout:
   sees lines late and in bursts).
 
 The clock starts when Slurm says the job runs (a queued job is not hung) and again after a
-requeue.
+requeue. An iteration's progress counts from its line's own wall clock (Bridge prints one),
+held between the previous round and this one: the line was not in the log at the previous
+read and is at this one. The triggerer reads every few seconds, so counting from when it saw
+the line would find a hang up to one poll interval late; held so, a node clock or time zone
+unlike the triggerer's moves it by at most that interval.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from jobscripts import vocabulary as v
 from jobscripts.vocabulary import Record
 from operators.slurm.watch import LogFinding, Tick, WatchSpec, kind_of
+from operators.tracking import logparse
 from operators.tracking.logwatch import MegatronLogWatcher
 
 CODE = "hang"
@@ -79,6 +84,8 @@ class HangWatch(MegatronLogWatcher):
         self.step_s: list[float] = []
         self.running_since: float | None = None
         self.progress_at: float | None = None
+        self.last_round_at: float | None = None
+        self.printed_at: float | None = None  # the last iteration line's clock in this read
         self.fired = False
 
     @classmethod
@@ -90,6 +97,18 @@ class HangWatch(MegatronLogWatcher):
     def timeout(self) -> HangTimeout:
         return hang_timeout(self.step_s, self.startup_s, self.timeout_s, self.first_step_seen,
                             self.factor)
+
+    def lines(self, lines: Sequence[str], tick: Tick) -> Iterable[LogFinding]:
+        clocks = [c for c in map(logparse.step_clock, lines) if c is not None]
+        # Bridge's clock has whole seconds: the line came at the end of that second at the latest.
+        self.printed_at = clocks[-1].timestamp() + 1.0 if clocks else None
+        return super().lines(lines, tick)
+
+    def step_seen_at(self, tick: Tick) -> float:
+        """When the newest iteration line of this read was printed, as the module says."""
+        if self.printed_at is None or self.last_round_at is None:
+            return tick.now
+        return min(tick.now, max(self.last_round_at, self.printed_at))
 
     def records(self, records: Sequence[Record], tick: Tick) -> Iterable[LogFinding]:
         for record in records:
@@ -103,12 +122,13 @@ class HangWatch(MegatronLogWatcher):
                     steps = max(1, record.iteration - self.iteration)
                     self.step_s = [*self.step_s, elapsed_ms / 1000.0 * steps][-SAMPLES:]
                 self.iteration, self.first_step_seen = record.iteration, True
-                self.progress_at = tick.now
+                self.progress_at = self.step_seen_at(tick)
             elif record.kind in _LIVENESS:
                 self.progress_at = tick.now
         return ()
 
     def tick(self, tick: Tick) -> Iterable[LogFinding]:
+        self.last_round_at = tick.now
         if not tick.running:
             self.running_since = None  # queued, or requeued: the clock starts again
             return ()

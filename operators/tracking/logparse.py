@@ -10,6 +10,7 @@ metric names are jobscripts/vocabulary.py's.
     parse_lines(lines) -> Iterator[Record]   a stream; fills in the iteration that
                                              throughput and timer lines do not print
     metric_points(records) -> [(name, value, step)]   ready for MLflow's log_batch
+    step_clock(line) -> datetime | None      the wall clock an iteration line starts with
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator
+from datetime import datetime
 
 from jobscripts import vocabulary as v
 from jobscripts.vocabulary import Record
@@ -60,6 +62,9 @@ _MEMORY_NAMES = {  # the memory report's labels, by the unit its header names
 _TIMER_NAMES = {"save-checkpoint": v.SAVE_CHECKPOINT_MS, "load-checkpoint": v.LOAD_CHECKPOINT_MS}
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf"
+# Bridge's (and Megatron-LM's) iteration line starts with the wall clock, e.g.
+# " [2026-12-01 12:30:49] iteration       21/      30 | ..." (jobscripts/megatron_log.py).
+_STEP_CLOCK = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]\s+iteration\s+\d+\s*/")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)")
 _FIELD = re.compile(r"\s*([^|:]+?)\s*:\s*([^|]*?)\s*\|")
 _VALIDATION = re.compile(r"validation loss at iteration (\d+)(?: on (\w+) set)?\s*\|(.*)")
@@ -166,6 +171,17 @@ def _exit(line: str) -> Record | None:
             iteration = int(match.group(group)) if group else None
             return Record(v.EXIT, iteration, detail={"reason": reason, "message": line.strip()})
     return None
+
+
+def step_clock(line: str) -> datetime | None:
+    """The wall clock (the node's, no zone) an iteration line starts with, or None."""
+    match = _STEP_CLOCK.search(line)
+    if match is None:
+        return None
+    try:
+        return datetime.fromisoformat(match.group(1))
+    except ValueError:
+        return None
 
 
 def parse_line(line: str) -> Record | None:

@@ -95,6 +95,37 @@ def test_a_stalled_log_is_stopped_sigterm_first_then_cancelled() -> None:
     assert _run(watch, T0 + 100) == [] and len(watch.findings) == 1
 
 
+def _at(line: str, epoch: float) -> str:
+    """``line`` with Bridge's wall clock set to ``epoch`` (whole seconds, local time)."""
+    from datetime import datetime
+
+    stamp = datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
+    return f" [{stamp}]" + line[line.index("]") + 1:]
+
+
+def test_progress_counts_from_the_lines_own_clock_held_between_two_reads() -> None:
+    """Iteration 6 printed at T0 + 2 and read at T0 + 5 (the previous read at T0): the hang
+    is found 30 s after T0 + 3 (its second's end), not 30 s after the read."""
+    watch = _watch(timeout_s=30.0, start_iteration=4)
+    assert _run(watch, T0, [_at(_iteration(5), T0 - 1)]) == []  # first read: no bound yet
+    assert _run(watch, T0 + 5, [_at(_iteration(6), T0 + 2)]) == []
+    assert _run(watch, T0 + 33) == []
+    assert _run(watch, T0 + 34) == [StopStep.SIGNAL]
+    assert watch.stopping.detail["last_progress_at"] == T0 + 3
+
+
+@pytest.mark.parametrize("skew_s", [-7200.0, 7200.0])
+def test_a_node_clock_unlike_the_triggerers_moves_progress_by_one_read_at_most(skew_s) -> None:
+    """A node two hours off (another time zone): its lines count from between the two reads."""
+    watch = _watch(timeout_s=30.0, start_iteration=4)
+    assert _run(watch, T0, [_at(_iteration(5), T0 + skew_s)]) == []
+    assert _run(watch, T0 + 5, [_at(_iteration(6), T0 + 4 + skew_s)]) == []
+    counted_from = T0 if skew_s < 0 else T0 + 5  # the previous read, or this one
+    assert _run(watch, counted_from + 30) == []
+    assert _run(watch, counted_from + 31) == [StopStep.SIGNAL]
+    assert watch.stopping.detail["last_progress_at"] == counted_from
+
+
 def test_a_queued_or_requeued_job_is_not_hung() -> None:
     watch = _watch(timeout_s=30.0, startup_s=60.0)
     assert _run(watch, T0, running=False) == []

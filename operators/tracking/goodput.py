@@ -81,7 +81,6 @@ class SegmentJob:
     nodes: int
     runs: tuple[Run, ...]
     failed: bool  # the job (last run) did not end in COMPLETED
-    segment: int | None = None  # the campaign's segment number; None: its place in the order
     hung: bool = False  # the hang watchdog stopped it
 
     @property
@@ -189,8 +188,7 @@ def _run_end(lines: list[str]) -> datetime | None:
 
 
 def segment_job(record: JobRecord, log_lines: Iterable[str], nodes: int,
-                reported_load_s: float | None = None, *, segment: int | None = None,
-                hung: bool = False) -> SegmentJob:
+                reported_load_s: float | None = None, *, hung: bool = False) -> SegmentJob:
     """A segment job from its sacct row and its log. ``reported_load_s``: the load time the
     trainer wrote in ``segment.json`` (the reference trainer prints no load timer line), used
     for the last run when its log has none; ``hung``: the hang watchdog stopped it."""
@@ -205,7 +203,7 @@ def segment_job(record: JobRecord, log_lines: Iterable[str], nodes: int,
             run = replace(run, load_s=float(reported_load_s))
         runs.append(run)
     return SegmentJob(record.job_id, record.submit, nodes, tuple(runs),
-                      failed=record.state != "COMPLETED" or hung, segment=segment, hung=hung)
+                      failed=record.state != "COMPLETED" or hung, hung=hung)
 
 
 def _seconds(a: datetime | None, b: datetime | None) -> float:
@@ -218,9 +216,14 @@ def ordered(jobs: Iterable[SegmentJob]) -> list[SegmentJob]:
 
 
 def numbered(jobs: Iterable[SegmentJob]) -> list[tuple[int, SegmentJob]]:
-    """Each job in the order they ran with its segment number: the job's own, else its place
-    (a failed job and its retry share one)."""
-    return [(job.segment or position, job) for position, job in enumerate(ordered(jobs), 1)]
+    """Each job in the order they ran with the campaign's segment number: a failed job has the
+    number of the job after it (its retry). Not the task's number: a new DAG run of the
+    campaign starts again at ``segment_1`` and goes on from the checkpoint."""
+    numbers, number = [], 1
+    for job in ordered(jobs):
+        numbers.append((number, job))
+        number += not job.failed
+    return numbers
 
 
 def compute(jobs: Sequence[SegmentJob]) -> Goodput:

@@ -49,8 +49,8 @@ def jobs_of(entries: list[dict], read_log: Callable[[str], str],
     """The segment jobs of ``job_entries``' entries, each log read by ``read_log(path)``."""
     return [goodput.segment_job(JobRecord.from_json(entry["slurm"]),
                                 read_log(entry["log_path"]).splitlines(), nodes,
-                                entry.get("load_seconds"), segment=entry.get("segment"),
-                                hung=bool(entry.get("hung"))) for entry in entries]
+                                entry.get("load_seconds"), hung=bool(entry.get("hung")))
+            for entry in entries]
 
 
 def segment_jobs(campaign: Campaign, hook: SlurmHook, layout: Layout) -> list[goodput.SegmentJob]:

@@ -84,7 +84,7 @@ def batches(path: Path, key: str, batch_bytes: int):
     batch, size = [], 0
     for text, position in iter_documents(path, key):
         batch.append((text, position))
-        size += len(text) if isinstance(text, str) else sum(map(len, text))
+        size += _chars(text)
         if size >= batch_bytes:
             yield batch
             batch, size = [], 0
@@ -92,31 +92,30 @@ def batches(path: Path, key: str, batch_bytes: int):
         yield batch
 
 
-def first_documents(texts: list, args: argparse.Namespace) -> list:
-    """The verification sample out of documents already read: the first ones, within the
-    same budget as :func:`verification_sample`."""
+def _chars(text) -> int:
+    return len(text) if isinstance(text, str) else sum(map(len, text))
+
+
+def first_documents(texts, docs: int, chars: int) -> list:
+    """The first of ``texts``, at most ``docs`` of them (at least one) and stopping once
+    ``chars`` characters are in: Megatron's tokenizer, which checks them, is slow."""
     sample: list = []
-    chars = 0
-    for text in texts[: max(1, args.verify_docs)]:
+    total = 0
+    for text in islice(texts, max(1, docs)):
         sample.append(text)
-        chars += len(text) if isinstance(text, str) else sum(map(len, text))
-        if chars >= args.verify_chars:
+        total += _chars(text)
+        if total >= chars:
             break
     return sample
 
 
 def verification_sample(paths: list[Path], args: argparse.Namespace) -> list:
-    """The first documents of each shard, within a budget: Megatron's tokenizer is slow."""
+    """The first documents of each shard, within the budget shared among them."""
     sample: list = []
     for path in paths:
-        chars = 0
         docs = iter_documents(path, args.json_key, batch_rows=16)  # a few rows, not a batch
-        docs = islice(docs, max(1, args.verify_docs // len(paths)))
-        for text, _pos in docs:
-            sample.append(text)
-            chars += len(text) if isinstance(text, str) else sum(map(len, text))
-            if chars >= args.verify_chars // len(paths):
-                break
+        sample += first_documents((text for text, _pos in docs),
+                                  args.verify_docs // len(paths), args.verify_chars // len(paths))
     return sample
 
 
@@ -227,7 +226,8 @@ def fast_start(todo, tokenizer_dir: Path, args, progress) -> tuple | None:
     first = next(items, None)
     if first is None:
         return None  # nothing to read: the sure path says so
-    sample = first_documents([text for text, _pos in first[1]], args)
+    sample = first_documents([text for text, _pos in first[1]], args.verify_docs,
+                             args.verify_chars)
     check = BackgroundCheck(tokenizer_dir, lambda: sample, args.encoder, False, prebuilt)
     guess = Guess(check, ("tiktoken", vocab_size, eod))
     facts = facts_of(vocab_size, eod, "tiktoken")

@@ -272,7 +272,8 @@ class TrainingSegmentOperator(ShipsCode, SlurmJobOperator):
                              job["job_id"], why)
 
     def _job_entry(self, context: Context, summary: JobSummary) -> dict[str, Any]:
-        """What goodput needs of a segment job (goodput_log.py reads it back)."""
+        """A segment job's record: what goodput_log.py reads back, plus which task and segment
+        of which DAG run it was (for people reading the file)."""
         return {"slurm": summary.record.to_json(), "run_dir": summary.run_dir,
                 "log_path": summary.log_path, "run_id": context["ti"].run_id,
                 "task_id": self.task_id, "segment": self.segment}

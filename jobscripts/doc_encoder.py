@@ -91,15 +91,14 @@ def encode_batch(encoder: Encoder, texts: list, eod: int, dtype) -> tuple:
     return counts, tokens, splits, text_bytes
 
 
-def _candidates(tokenizer_json: Path, reference, prebuilt: dict) -> Iterator[tuple[str, Callable]]:
+def _candidates(tokenizer_json: Path, reference, builders: dict) -> Iterator[tuple[str, Callable]]:
     """(name, encode) fastest first, each built only when the previous one failed."""
     from jobscripts.fast_encoder import HFEncoder, TiktokenEncoder, Unsupported, tiktoken_spec
 
     try:
-        yield (
-            "tiktoken",
-            prebuilt.get("tiktoken") or TiktokenEncoder(tiktoken_spec(tokenizer_json)).encode,
-        )
+        build = builders.get("tiktoken")
+        encode = build() if build else TiktokenEncoder(tiktoken_spec(tokenizer_json)).encode
+        yield "tiktoken", encode
     except Unsupported as exc:
         log(f"encoder: tiktoken cannot express this tokenizer ({exc})")
     yield "hf", HFEncoder(tokenizer_json).encode
@@ -124,18 +123,20 @@ def choose(
     sample: list,
     requested: str = "auto",
     legacy: bool = False,
-    prebuilt: dict | None = None,
+    builders: dict[str, Callable[[], Callable]] | None = None,
 ) -> tuple[Encoder, dict]:
     """The first candidate whose document ids equal the reference's on sample + probes.
 
-    ``prebuilt`` maps a candidate's name to an encode function already built.
+    ``builders`` maps a candidate's name to how the caller builds its encode function
+    (called only when that candidate's turn comes, after the reference's ids are known:
+    the forked check receives the caller's encoder spec only then).
     """
     started = time.monotonic()
     eod = reference.eod
     texts = PROBES + sample
     expected = [reference_document(reference, text) for text in texts]
     report = {"checked_texts": len(texts), "rejected": {}}
-    for name, encode in _candidates(tokenizer_dir / "tokenizer.json", reference, prebuilt or {}):
+    for name, encode in _candidates(tokenizer_dir / "tokenizer.json", reference, builders or {}):
         if requested not in ("auto", name):
             continue
         prefix, suffix = _wrapping(reference, encode, legacy)

@@ -211,24 +211,28 @@ def facts_of(vocab_size: int, eod: int, encoder: str) -> dict:
 
 
 def fast_start(todo, tokenizer_dir: Path, args, progress) -> tuple | None:
-    """Tokenize with tiktoken at once while a forked child checks it; None if it is rejected."""
+    """Tokenize with tiktoken at once while a forked child checks it; None if it is rejected.
+
+    Order matters on few cores: the check forks first and builds Megatron's tokenizer while
+    this process reads the first batch (the check's sample) and builds its encoder.
+    """
     if args.legacy_tokenizer or args.encoder not in ("auto", "tiktoken"):
         return None  # the legacy BOS wrapping needs Megatron's tokenizer up front
+    check = BackgroundCheck(tokenizer_dir, args.encoder, False)
+    items = work_items(todo, args)
+    first = next(items, None)
+    if first is not None:
+        check.send_sample(first_documents([text for text, _pos in first[1]], args.verify_docs,
+                                          args.verify_chars))
     try:
         spec, vocab_size, eod = spec_and_facts(tokenizer_dir)
     except Unsupported:
+        spec = eod = None
+    if first is None or spec is None or eod is None:
+        check.cancel()  # nothing to read, or no tiktoken: the sure path says why
         return None
     encoder = Encoder("tiktoken", TiktokenEncoder(spec).encode)
-    if eod is None:
-        return None  # let the Megatron path report it
-    prebuilt = {"tiktoken": encoder.encode}  # the child checks this very encoder
-    items = work_items(todo, args)
-    first = next(items, None)
-    if first is None:
-        return None  # nothing to read: the sure path says so
-    sample = first_documents([text for text, _pos in first[1]], args.verify_docs,
-                             args.verify_chars)
-    check = BackgroundCheck(tokenizer_dir, lambda: sample, args.encoder, False, prebuilt)
+    check.send_spec(spec)
     guess = Guess(check, ("tiktoken", vocab_size, eod))
     facts = facts_of(vocab_size, eod, "tiktoken")
     try:

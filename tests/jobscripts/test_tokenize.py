@@ -89,6 +89,32 @@ def test_edge_cases_are_identical_with_every_encoder(tokenizer, megatron_tokeniz
         assert same_files(out / "edge_text_document", tmp_path / "reference"), encoder
 
 
+def test_a_tokenizer_tiktoken_cannot_express_stops_the_check_and_goes_the_sure_way(
+    tokenizer, tmp_path
+):
+    import multiprocessing
+
+    from tokenizers import Tokenizer, normalizers
+
+    from jobscripts.megatron_tokenizer import load
+    from jobscripts.tokenize_megatron import main
+
+    # The check is forked before tiktoken's spec is built; a normalizer makes that spec
+    # Unsupported, so the fast start must stop the child it forked and tokenize the sure way.
+    tok_dir = tmp_path / "nfc_tokenizer"
+    shutil.copytree(tokenizer["tokenizer_dir"], tok_dir)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok.normalizer = normalizers.NFC()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b c", "", "cafe\u0301 x"]))
+    reference_write(src, load(tok_dir), tmp_path / "reference")
+    result = ok(main, tokenize_argv(src, tok_dir, tmp_path / "out"), tmp_path / "r.json")
+    assert result["encoder"]["encoder"] == "hf"
+    assert same_files(tmp_path / "out" / "docs_text_document", tmp_path / "reference")
+    assert multiprocessing.active_children() == []  # the forked check did not outlive it
+
+
 def test_legacy_tokenizer_mode_keeps_the_post_processors_bos(tokenizer, tmp_path):
     from tokenizers import Tokenizer, processors
 

@@ -15,6 +15,7 @@ This module is imported by worker processes: numpy, tiktoken and tokenizers only
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -193,18 +194,30 @@ def build_encoding(spec: TiktokenSpec):
 
 
 class TiktokenEncoder:
-    """HF ``encode(text, add_special_tokens=False)`` ids, computed by tiktoken."""
+    """HF ``encode(text, add_special_tokens=False)`` ids, computed by tiktoken.
+
+    Each thread encodes with its own ``tiktoken.Encoding``, built on its first call. One
+    Encoding shared by the encoding threads hands its regex scratch space out of a pool
+    that only the thread that first used it reads without a lock (tiktoken 0.14, through
+    fancy-regex and regex-automata): measured on the benchmark corpus (GPT-2, 2 threads,
+    texts in memory), shared 5.5-6.1 M tokens/s in 7.2-7.8 CPU-s, one per thread 7.2-7.5 M
+    in 5.8-5.9 CPU-s (profiled: ~11% of the shared run in the pool's get/put). A build is
+    ~0.05 CPU-s and a few MB, once per thread.
+    """
 
     def __init__(self, spec: TiktokenSpec):
-        self.encoding = build_encoding(spec)
+        self.spec = spec
         self.allowed = frozenset(spec.specials)
         self.rank_to_id = spec.rank_to_id
-        # One encode on the building thread before any worker thread encodes: measured on
-        # the benchmark corpus (GPT-2, 2 threads), the workers then encode 7.5 M tokens/s in
-        # 5.6 CPU-s, and 5.0 M in 8.4 CPU-s when a worker is the first to encode (tiktoken
-        # 0.14; the first encoding thread owns the pattern's regex cache, and workers sharing
-        # it with an owning worker pay for it). Any text does; the result is not kept.
-        self.encode("warm up")
+        self._local = threading.local()
+
+    @property
+    def encoding(self):
+        """This thread's Encoding."""
+        encoding = getattr(self._local, "encoding", None)
+        if encoding is None:
+            encoding = self._local.encoding = build_encoding(self.spec)
+        return encoding
 
     def encode(self, text: str) -> np.ndarray:
         # encode_to_numpy raises on lone surrogates instead of silently replacing them

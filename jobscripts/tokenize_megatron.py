@@ -15,7 +15,8 @@ them into ``OUT/NAME_text_document`` with ``builder.add_index``.
 
 Speed: documents stream from the shards in order on the main thread, batches of
 about ``--batch-bytes`` are encoded on ``--workers`` threads (tiktoken and HF
-tokenizers release the GIL), and the main thread writes them in order. Memory
+tokenizers release the GIL; each thread has its own tiktoken Encoding, see
+jobscripts.fast_encoder), and the main thread writes them in order. Memory
 holds a few batches, whatever the corpus size. The encoder is tiktoken rebuilt
 from the tokenizer's vocabulary and merges; it starts at once while a forked
 process builds Megatron's own tokenizer and compares ids on a sample plus probes

@@ -89,6 +89,31 @@ def test_tiktoken_translation_refuses_what_it_cannot_express(tmp_path):
         tiktoken_spec(tokenizer_json(tmp_path, pre_tokenizer=prefix_space))
 
 
+def test_each_encoding_thread_gets_its_own_tiktoken_encoding_and_the_same_ids(tmp_path):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jobscripts.fast_encoder import HFEncoder, TiktokenEncoder, tiktoken_spec
+
+    plain = tokenizer_json(tmp_path)
+    encoder = TiktokenEncoder(tiktoken_spec(plain))
+    texts = [f"hello world {i} <|endoftext|> there" for i in range(64)]
+    with ThreadPoolExecutor(2) as pool:
+        # Two tasks block on each other, so each is sure to run on its own thread.
+        barrier = threading.Barrier(2)
+
+        def encoding_of_this_thread(_):
+            barrier.wait(timeout=10)
+            return encoder.encoding
+
+        encodings = list(pool.map(encoding_of_this_thread, range(2)))
+        ids = list(pool.map(lambda text: encoder.encode(text).tolist(), texts))
+    assert encodings[0] is not encodings[1]  # no Encoding (and regex scratch pool) shared
+    assert encoder.encoding is encoder.encoding  # built once per thread, then kept
+    hf = HFEncoder(plain)
+    assert ids == [hf.encode(text).tolist() for text in texts]
+
+
 def test_jsonl_scan_reports_each_bad_line_and_samples_deterministically(tmp_path):
     from jobscripts.jsonl_scan import scan
 

@@ -10,18 +10,11 @@ from __future__ import annotations
 
 import glob as globlib
 import gzip
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from jobscripts.common import StepError
-
-try:
-    import orjson
-
-    _loads = orjson.loads
-except ImportError:
-    _loads = json.loads
+from jobscripts.fast_json import loads
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 READ_BLOCK = 1 << 22
@@ -72,7 +65,7 @@ def iter_jsonl(path: Path, key: str) -> Iterator[tuple[str | list, int]]:
     """(text, byte offset) per line; a bad line raises StepError naming file and line."""
     for raw, offset in iter_raw_lines(path):
         try:
-            text = _loads(raw)[key]
+            text = loads(raw)[key]
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             where = describe_location(path, offset)
             raise StepError(f"{where}: cannot read {key!r}: {type(exc).__name__}: {exc}") from exc
@@ -80,6 +73,22 @@ def iter_jsonl(path: Path, key: str) -> Iterator[tuple[str | list, int]]:
             where = describe_location(path, offset)
             raise StepError(f"{where}: field {key!r} is {type(text).__name__}, not text")
         yield text, offset
+
+
+def use_system_allocator() -> None:
+    """Have pyarrow allocate with the C library's malloc for the rest of this process.
+
+    Each Parquet row group's text is decompressed into fresh buffers of tens of MB. With
+    pyarrow's default allocator (mimalloc) the memory a finished row group frees goes
+    back to the kernel and the next one faults it in again, zeroed page by page: measured
+    on the benchmark corpus (4 ZSTD shards, 2 row groups of ~16 MB text each), 2.6% of
+    the tokenize job's CPU samples in the kernel's ``clear_page_erms`` (0.14% with
+    malloc, which reuses the freed heap), and the job 3-8% faster in 6 of 6 alternating
+    runs. A process-wide switch, so jobs call it, not the readers.
+    """
+    import pyarrow as pa
+
+    pa.set_memory_pool(pa.system_memory_pool())
 
 
 def iter_parquet(path: Path, key: str, batch_rows: int = 128) -> Iterator[tuple[str, int]]:

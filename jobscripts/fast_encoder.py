@@ -18,9 +18,12 @@ import json
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
+
+from jobscripts.fast_json import loads
 
 # HF's ByteLevel pre-tokenizer with use_regex=True splits with exactly this pattern.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -58,11 +61,42 @@ def _latin1_table() -> dict[int, int]:
 
 
 def _token_bytes(token: str) -> bytes:
-    # translate + encode run in C: 50k merges in milliseconds instead of a second.
     try:
         return token.translate(_latin1_table()).encode("latin-1")
     except UnicodeEncodeError as exc:
         raise Unsupported(f"token {token!r} is not in the byte-level alphabet") from exc
+
+
+def _tokens_bytes(tokens: list[str]) -> list[bytes]:
+    """The bytes of each token. One translate and one encode over all of them, then slices,
+    all in C: each stand-in character is one byte, so a token's byte length is its length.
+    (The tiktoken spec is built before encoding can start; one call per token, 50k of
+    them, cost twice as much.)"""
+    try:
+        joined = "".join(tokens).translate(_latin1_table()).encode("latin-1")
+    except UnicodeEncodeError:
+        for token in tokens:
+            _token_bytes(token)  # raises, naming the first token outside the alphabet
+        raise
+    ends = list(accumulate(map(len, tokens)))
+    return list(map(joined.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+
+
+def _merge_results(merges: list, vocab: dict[str, int]) -> tuple[list[str], list[int]]:
+    """(the token each merge makes, its id), in merge order; merges are ``"a b"`` strings
+    or ``[a, b]`` pairs."""
+    pairs = [merge.split(" ") if isinstance(merge, str) else merge for merge in merges]
+    try:
+        merged = [left + right for left, right in pairs]
+    except (ValueError, TypeError):
+        merged = []  # a merge that is not a pair: named below
+    ids = list(map(vocab.get, merged))
+    if len(merged) != len(merges) or None in ids:
+        for merge in merges:
+            pair = merge.split(" ") if isinstance(merge, str) else merge
+            if len(pair) != 2 or pair[0] + pair[1] not in vocab:
+                raise Unsupported(f"merge {merge!r} is not a pair making a token of the vocabulary")
+    return merged, ids
 
 
 def _pattern(pre: dict | None) -> str:
@@ -110,7 +144,7 @@ def spec_and_facts(tokenizer_dir: Path) -> tuple[TiktokenSpec, int, int | None]:
     tokenizer starts encoding this much sooner. Only a guess, like the encoder itself:
     Megatron's own vocabulary size and EOD confirm it (encoder_check.Guess) or tokenization
     is redone."""
-    data = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    data = loads((tokenizer_dir / "tokenizer.json").read_bytes())  # 3.5 MB for GPT-2
     spec = spec_of(data)
     vocab = data["model"]["vocab"]
     added = {a["content"]: a["id"] for a in data.get("added_tokens", [])}
@@ -147,16 +181,16 @@ def spec_of(data: dict) -> TiktokenSpec:
             raise Unsupported(f"byte {b} has no token")
         ranks[bytes([b])] = len(ids)
         ids.append(vocab[char])
-    for merge in model["merges"]:
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        merged = left + right
-        if merged not in vocab:
-            raise Unsupported(f"merge {left!r}+{right!r} makes a token outside the vocabulary")
-        key = _token_bytes(merged)
-        if key in ranks:
-            raise Unsupported(f"two merges make {merged!r}")
-        ranks[key] = len(ids)
-        ids.append(vocab[merged])
+    merged, merged_ids = _merge_results(model["merges"], vocab)
+    keys = _tokens_bytes(merged)
+    ranks.update(zip(keys, range(len(ids), len(ids) + len(keys)), strict=True))
+    if len(ranks) != len(ids) + len(keys):  # two merges make one token: name it
+        seen: set[bytes] = set()
+        for key, token in zip(keys, merged, strict=True):
+            if key in seen:
+                raise Unsupported(f"two merges make {token!r}")
+            seen.add(key)
+    ids += merged_ids
 
     specials: dict[str, int] = {}
     for added in data.get("added_tokens", []):
@@ -166,20 +200,20 @@ def spec_of(data: dict) -> TiktokenSpec:
         ids.append(added["id"])
 
     lookup = np.asarray(ids, dtype=np.int64)
-    if np.array_equal(lookup, np.arange(len(ids))) or _ranks_are_ids(ranks, specials, ids):
-        # Merge order equals id order (GPT-2, HF-trained BPE): use the ids as ranks.
-        ranks = {k: ids[r] for k, r in ranks.items()}
-        specials = {k: ids[r] for k, r in specials.items()}
+    if _ranks_are_ids(lookup, merges=slice(256, len(ranks))):
+        # Merge order equals id order (GPT-2, HF-trained BPE): use the ids as ranks. Both
+        # dicts hold their tokens in rank order, the order of ``ids``.
+        ranks = dict(zip(ranks, ids[: len(ranks)], strict=True))
+        specials = dict(zip(specials, ids[len(ranks) :], strict=True))
         return TiktokenSpec(pattern, ranks, specials, None)
     return TiktokenSpec(pattern, ranks, specials, lookup)
 
 
-def _ranks_are_ids(ranks: dict[bytes, int], specials: dict[str, int], ids: list[int]) -> bool:
-    """True when using each token's HF id as its rank keeps the merge priority order."""
-    merged = [ids[r] for k, r in ranks.items() if len(k) > 1]
-    in_order = all(a < b for a, b in zip(merged, merged[1:], strict=False))
-    every = [ids[r] for r in ranks.values()] + [ids[r] for r in specials.values()]
-    return in_order and len(set(every)) == len(every)
+def _ranks_are_ids(ids: np.ndarray, merges: slice) -> bool:
+    """True when using each token's HF id (``ids``, indexed by rank) as its rank keeps the
+    merge priority order (the ids of the merges' results rise) and no two tokens share one."""
+    merged = ids[merges]
+    return bool(np.all(merged[1:] > merged[:-1])) and len(np.unique(ids)) == len(ids)
 
 
 def build_encoding(spec: TiktokenSpec):

@@ -18,13 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobscripts.doc_stream import iter_raw_lines
-
-try:
-    import orjson
-
-    _loads = orjson.loads
-except ImportError:  # orjson comes with datatrove[io]; plain json is only slower
-    _loads = json.loads
+from jobscripts.fast_json import loads
 
 # Characters a text corpus should not contain: C0/C1 controls other than tab, LF and CR,
 # surrogates, private-use code points and the noncharacters. Unassigned code points are
@@ -113,7 +107,7 @@ def check_line(raw: bytes, text_key: str) -> tuple[dict | None, str | None]:
             f"invalid UTF-8 at byte {exc.start} of the line ({raw[exc.start : exc.start + 4]!r})",
         )
     try:
-        record = _loads(raw)
+        record = loads(raw)
     except ValueError as exc:
         try:  # orjson rejects lone surrogate escapes; json accepts them. Which is it?
             json.loads(raw)

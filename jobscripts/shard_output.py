@@ -123,7 +123,7 @@ class ShardWriter:
         builder = self.builder
         if tokens.dtype != builder.dtype:
             raise TypeError(f"tokens are {tokens.dtype}, the dataset is {builder.dtype}")
-        builder.data_file.write(tokens.tobytes(order="C"))
+        builder.data_file.write(memoryview(tokens))  # contiguous (one concatenate): no copy
         lengths, indices = builder.sequence_lengths, builder.document_indices
         for i, count in enumerate(counts.tolist()):
             if i in splits:

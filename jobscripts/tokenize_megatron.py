@@ -60,7 +60,13 @@ from jobscripts.array_task import (
 )
 from jobscripts.common import StepError, log, run_step
 from jobscripts.doc_encoder import Encoder, choose, encode_batch
-from jobscripts.doc_stream import describe_location, iter_documents, list_inputs, shard_stem
+from jobscripts.doc_stream import (
+    describe_location,
+    iter_documents,
+    list_inputs,
+    shard_stem,
+    use_system_allocator,
+)
 from jobscripts.encoder_check import BackgroundCheck, Guess, GuessRejected
 from jobscripts.fast_encoder import TiktokenEncoder, Unsupported, spec_and_facts
 from jobscripts.job_files import MANIFEST_FILE
@@ -310,6 +316,7 @@ def encode_pending(entries: list, args: argparse.Namespace) -> tuple[list, list,
     progress, report = Progress(), {}
     if todo:
         import_megatron()
+        use_system_allocator()
         fast = fast_start(todo, Path(args.tokenizer), args, progress)
         _facts, report, records, progress = fast or checked_start(
             todo, Path(args.tokenizer), args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -87,6 +88,40 @@ def test_tiktoken_translation_refuses_what_it_cannot_express(tmp_path):
     }
     with pytest.raises(Unsupported, match="prefix_space"):
         tiktoken_spec(tokenizer_json(tmp_path, pre_tokenizer=prefix_space))
+
+
+def test_a_merge_table_tiktoken_cannot_take_is_refused_naming_the_merge(tmp_path):
+    from jobscripts.fast_encoder import HFEncoder, TiktokenEncoder, Unsupported, tiktoken_spec
+
+    model = json.loads(tokenizer_json(tmp_path).read_text())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    first = merges[0]
+
+    def with_merges(table) -> Path:
+        return tokenizer_json(tmp_path, model={**model, "merges": table})
+
+    for table, message in [
+        ([*merges, first], f"two merges make {''.join(first.split())!r}"),
+        ([merges[0], "ab", *merges[1:]], "merge 'ab' is not a pair"),
+        ([*merges[:3], "a b c"], "merge 'a b c' is not a pair"),
+        ([*merges[:3], "zz qq"], "merge 'zz qq' is not a pair making a token of the vocabulary"),
+    ]:
+        with pytest.raises(Unsupported, match=re.escape(message)):
+            tiktoken_spec(with_merges(table))
+    alien = {**model, "vocab": {**model["vocab"], "h\u03bb": 999}, "merges": [*merges, "h \u03bb"]}
+    with pytest.raises(Unsupported, match="not in the byte-level alphabet"):
+        tiktoken_spec(tokenizer_json(tmp_path, model=alien))
+    # Both spellings of a merge, "a b" and ["a", "b"], and merges whose order is not their
+    # ids' order (tiktoken ranks, then a lookup to HF ids): the ids stay HF's.
+    swapped = [m.split(" ") for m in merges]
+    swapped[1], swapped[2] = swapped[2], swapped[1]
+    for table in (merges, swapped):
+        path = with_merges(table)
+        text = "hello world <|endoftext|> there, hello"
+        assert TiktokenEncoder(tiktoken_spec(path)).encode(text).tolist() == (
+            HFEncoder(path).encode(text).tolist()
+        )
+    assert tiktoken_spec(with_merges(swapped)).rank_to_id is not None
 
 
 def test_each_encoding_thread_gets_its_own_tiktoken_encoding_and_the_same_ids(tmp_path):

@@ -18,8 +18,12 @@ process (so each one's memory is its own), timed inside that process after its i
   does (``fast_encoder.TiktokenEncoder``: sharing one costs ~20% of the CPU in tiktoken
   0.14).
 
-This machine is shared: ours and the raw limit run twice, alternating, and the best run of
-each counts; the baseline (ten times slower) runs once. The load average is in the details.
+This machine is shared: ours and the raw limit run three times, alternating, and the best run
+of each counts; the baseline (ten times slower) runs once. The load average is in the details.
+Other tenants of this VM's host move the CPU time a fixed amount of work takes by up to 15%
+between minutes (the same job: 6.3 CPU-s in one bench run, 7.1 in the next), and a job that
+streams from disk more than the raw limit, which encodes texts already in memory: with two
+runs each, the ratio moved 0.83-0.92 on the same code within ten minutes.
 
 Peak memory is sampled from /proc (smaps_rollup) over the whole process tree (GNU time misses
 forkserver children), in a third run of ours that is not timed: reading smaps_rollup of a
@@ -52,7 +56,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the repository importable
 
 SHARED = Path("/work/shared")
 WORKERS = 2
-RUNS = 2  # of ours and of the raw limit, alternating; the best of each counts
+RUNS = 3  # of ours and of the raw limit, alternating; the best of each counts
 
 
 def tree_pids(root_pid: int) -> list[int]:

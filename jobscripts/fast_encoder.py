@@ -92,8 +92,7 @@ def _merge_results(merges: list, vocab: dict[str, int]) -> tuple[list[str], list
         merged = []  # a merge that is not a pair: named below
     ids = list(map(vocab.get, merged))
     if len(merged) != len(merges) or None in ids:
-        for merge in merges:
-            pair = merge.split(" ") if isinstance(merge, str) else merge
+        for merge, pair in zip(merges, pairs, strict=True):
             if len(pair) != 2 or pair[0] + pair[1] not in vocab:
                 raise Unsupported(f"merge {merge!r} is not a pair making a token of the vocabulary")
     return merged, ids
@@ -135,7 +134,17 @@ class TiktokenSpec:
 
 def tiktoken_spec(tokenizer_json: str | Path) -> TiktokenSpec:
     """Translate a HF ``tokenizer.json`` into tiktoken terms, or raise Unsupported."""
-    return spec_of(json.loads(Path(tokenizer_json).read_text(encoding="utf-8")))
+    return spec_of(_tokenizer_data(Path(tokenizer_json)))
+
+
+def _tokenizer_data(tokenizer_json: Path) -> dict:
+    """The parsed file (3.5 MB for GPT-2, read before encoding can start). A file this parser
+    refuses is Unsupported here: the sure path then loads it with Megatron's tokenizer and
+    reports what that says."""
+    try:
+        return loads(tokenizer_json.read_bytes())
+    except ValueError as exc:
+        raise Unsupported(f"{tokenizer_json}: {exc}") from exc
 
 
 def spec_and_facts(tokenizer_dir: Path) -> tuple[TiktokenSpec, int, int | None]:
@@ -144,7 +153,7 @@ def spec_and_facts(tokenizer_dir: Path) -> tuple[TiktokenSpec, int, int | None]:
     tokenizer starts encoding this much sooner. Only a guess, like the encoder itself:
     Megatron's own vocabulary size and EOD confirm it (encoder_check.Guess) or tokenization
     is redone."""
-    data = loads((tokenizer_dir / "tokenizer.json").read_bytes())  # 3.5 MB for GPT-2
+    data = _tokenizer_data(tokenizer_dir / "tokenizer.json")
     spec = spec_of(data)
     vocab = data["model"]["vocab"]
     added = {a["content"]: a["id"] for a in data.get("added_tokens", [])}

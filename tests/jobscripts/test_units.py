@@ -88,6 +88,11 @@ def test_tiktoken_translation_refuses_what_it_cannot_express(tmp_path):
     }
     with pytest.raises(Unsupported, match="prefix_space"):
         tiktoken_spec(tokenizer_json(tmp_path, pre_tokenizer=prefix_space))
+    broken = tmp_path / "broken" / "tokenizer.json"
+    broken.parent.mkdir()
+    broken.write_text('{"model": {"type": "BPE", ')  # cut off: the sure path says what is wrong
+    with pytest.raises(Unsupported, match=re.escape(str(broken))):
+        tiktoken_spec(broken)
 
 
 def test_a_merge_table_tiktoken_cannot_take_is_refused_naming_the_merge(tmp_path):

@@ -30,6 +30,11 @@ from operators.slurm.parse import JobRecord
 
 log = logging.getLogger(__name__)
 
+# How long a killed task's cancel is retried (slurmctld busy, the SSH connection dropped)
+# before the poller gives up and logs it: longer than an outage a user would wait out, short
+# enough that a job nobody could cancel is reported while someone still looks.
+KILL_CANCEL_RETRY_S = 300.0
+
 
 @dataclass
 class Snapshot:
@@ -69,6 +74,7 @@ class ClusterPoller:
         self._conn = None
         self._sftp = None
         self._conn_lock = asyncio.Lock()
+        self._kills: dict[str, asyncio.Task] = {}  # job id -> its cancel_for_kill task
 
     @classmethod
     def get(cls, conn_id: str, interval: float) -> ClusterPoller:
@@ -160,6 +166,44 @@ class ClusterPoller:
     async def cancel(self, job_id: str, killed_in: str | None = None) -> None:
         rc, _, err = await self.run(commands.scancel(job_id, killed_in))
         commands.check_cancel(job_id, rc, err)
+
+    def cancel_for_kill(self, job_id: str, killed_in: str | None = None) -> asyncio.Task:
+        """Cancel the job of a killed task in a task of the poller's own, retried until
+        ``scancel`` answers or :data:`KILL_CANCEL_RETRY_S` runs out.
+
+        Not in the caller's task because Airflow's triggerer (3.3) cancels a trigger again at
+        each sync (about every second) until it finishes, and the second cancel lands inside
+        ``on_kill``: on a loaded machine it interrupted the SSH round trip before ``scancel``
+        was sent, and the job ran on with nobody left to cancel it. The caller may wait for
+        the task (shielded); the poller holds a reference so that it runs to its end."""
+        task = self._kills.get(job_id)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(
+                self._cancel_until_answered(job_id, killed_in))
+            self._kills[job_id] = task
+            task.add_done_callback(lambda done: self._kills.pop(job_id, None)
+                                   if self._kills.get(job_id) is done else None)
+        return task
+
+    async def _cancel_until_answered(self, job_id: str, killed_in: str | None) -> None:
+        deadline = time.monotonic() + KILL_CANCEL_RETRY_S
+        delays = backoff_delays(1000, base=self.interval, cap=30)
+        while True:
+            try:
+                await self.cancel(job_id, killed_in)
+                log.info("Slurm job %s cancelled: its task was killed", job_id)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried; only the deadline gives up
+                if time.monotonic() >= deadline:
+                    # Logged, not raised: nobody may be left to retrieve the exception.
+                    log.error("Slurm job %s of a killed task could not be cancelled in %.0f s, "
+                              "it may still run: %s", job_id, KILL_CANCEL_RETRY_S, exc)
+                    return
+                log.warning("cancelling Slurm job %s of a killed task failed, retrying: %s",
+                            job_id, exc)
+                if not isinstance(exc, SlurmCommandError):
+                    await self._drop()  # the transport broke: the next try opens a new one
+                await asyncio.sleep(next(delays))
 
     async def signal(self, job_id: str, signal: str, stopped_in: str | None = None) -> None:
         """Send ``signal`` to the job (batch shell and steps), on this connection: a log

@@ -338,6 +338,8 @@ class SlurmJobTrigger(BaseTrigger):
         poller = ClusterPoller.get(self.ssh_conn_id, self.poll_interval)
         self.log.info("task killed while deferred: cancelling Slurm job %s", self.job_id)
         run_dir = posixpath.dirname(self.log_path) if self.log_path else None
-        await asyncio.wait_for(poller.cancel(self.job_id, killed_in=run_dir), timeout=30)
+        # The cancel runs in the poller's task, shielded: the triggerer cancels on_kill itself
+        # at its next sync, and that must not take the scancel with it (cancel_for_kill).
+        await asyncio.shield(poller.cancel_for_kill(self.job_id, killed_in=run_dir))
 
 

@@ -280,15 +280,15 @@ def _trigger_windows(story: Story, since: float) -> dict[str, tuple[float, float
 def _judge_survivor(story: Story, sampler: _ConnectionSampler) -> None:
     """``story.ssh_after``: the most connections the survivor held in all the samples, and
     in those taken while a trigger ran on it (or its poller still held the connection after)."""
-    windows = _trigger_windows(story, sampler.started).values()
+    windows = _trigger_windows(story, sampler.started)
     during = [n for at, n in sampler.samples
-              if any(first <= at <= last + HELD_AFTER_TRIGGER_S for first, last in windows)]
+              if any(first <= at <= last + HELD_AFTER_TRIGGER_S
+                     for first, last in windows.values())]
     story.ssh_after = {"all": max((n for _, n in sampler.samples), default=0),
                        "while_triggers_ran": max(during, default=0)}
     story.ssh_after_sampling.update(
         samples=len(sampler.samples), during=len(during), during_with_one=during.count(1),
-        triggers={k: round(last - first, 1)
-                  for k, (first, last) in _trigger_windows(story, sampler.started).items()})
+        triggers={k: round(last - first, 1) for k, (first, last) in windows.items()})
 
 
 @pytest.fixture(scope="module")
@@ -525,12 +525,8 @@ def _run_log_dir(story: Story) -> Path:
             / f"dag_id={DAG_ID}" / f"run_id={story.run_id}")
 
 
-def _task_log_dir(story: Story, task_id: str) -> Path:
-    return _run_log_dir(story) / f"task_id={task_id}"
-
-
 def _segment_1_logs(story: Story) -> Path:
-    return _task_log_dir(story, "train.segment_1")
+    return _run_log_dir(story) / "task_id=train.segment_1"
 
 
 def _between_rounds(story: Story) -> None:

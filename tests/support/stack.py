@@ -223,19 +223,17 @@ class Stack:
         out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
         return {int(p) for p in out.split()}
 
-    @staticmethod
-    def connection_owners(port: int) -> list[set[int]]:
-        """Each established TCP connection to 127.0.0.1:``port``, as the PIDs that hold it."""
-        out = subprocess.run(["ss", "-Htnp", "state", "established", "dst", f"127.0.0.1:{port}"],
-                             capture_output=True, text=True, check=True).stdout
-        # users:(("python",pid=123,fd=7)) - one connection per line
-        return [{int(p.split(",")[0]) for p in line.split("pid=")[1:]}
-                for line in out.splitlines()]
-
     def connections_to(self, port: int, component: str) -> int:
         """Established TCP connections to 127.0.0.1:``port`` held by the component's group."""
         pids = self.group_pids(component)
-        return sum(bool(owners & pids) for owners in self.connection_owners(port))
+        out = subprocess.run(["ss", "-Htnp", "state", "established", "dst", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, check=True).stdout
+        count = 0
+        for line in out.splitlines():
+            # users:(("python",pid=123,fd=7)) - one connection per line
+            owners = {int(p.split(",")[0]) for p in line.split("pid=")[1:]}
+            count += bool(owners & pids)
+        return count
 
     def s3_client(self):
         import boto3
